@@ -1,0 +1,155 @@
+"""The Python API: ``compile``, ``execute``, ``load`` and the ``Plan`` value."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import BatchError, PlanError, PlanFileError
+from .ir.module import PlanIR
+from .ir.problem import Problem
+
+STRATEGIES = ("zigzag",)
+
+
+def default_pipeline(strategy: str, block_size: int) -> str:
+    """The default pipeline, one named step a line."""
+    return ",".join([
+        f"tile{{block={block_size}}}",  # cut samples into token blocks, build the block graph
+        strategy,                      # placement: token block homes, compute block devices
+        "comm",                        # transfers each device needs, single-stage schedule
+        "emit",                        # per-device instruction streams, forward and backward
+    ])
+
+
+def _positive_int(name: str, v, err=PlanError) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise err(f"{name} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def _seqlens(seqlens) -> np.ndarray:
+    if seqlens is None:
+        raise BatchError("no sequence lengths given")
+    lens = list(seqlens)
+    if not lens:
+        raise BatchError("the batch has no samples")
+    for i, x in enumerate(lens):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0:
+            raise BatchError(f"sample {i}: length must be a positive integer, got {x!r}")
+    return np.asarray(lens, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A compiled plan: the verified IR down to per-device programs."""
+
+    ir: PlanIR
+    meta: dict = field(default_factory=dict)      # pipeline, strategy, block size, profile
+    measured: dict = field(default_factory=dict)  # plan_s (the only non-deterministic field)
+
+    @property
+    def devices(self) -> int:
+        return self.ir.devices
+
+    @property
+    def problem(self) -> Problem:
+        return self.ir.problem
+
+    def stats(self, profile: str | None = None) -> dict:
+        from .backends.stats import compute_stats
+        s = compute_stats(self.ir, self.measured.get("plan_s", 0.0), profile or self.meta.get("profile", "h100"))
+        s["pipeline"] = self.meta.get("pipeline", "")
+        return s
+
+    def to_text(self, device: int | None = None) -> str:
+        if device is not None and not 0 <= device < self.devices:
+            raise PlanError(f"device {device} does not exist; the plan has devices 0..{self.devices - 1}")
+        return self.ir.program.to_text(device)
+
+    def to_bytes(self) -> bytes:
+        from .backends.planfile import pack
+        return pack(self.ir, self.meta, self.measured)
+
+    def canonical_bytes(self) -> bytes:
+        """The deterministic part of the plan file (everything but ``measured``)."""
+        from .backends.planfile import canonical_bytes
+        return canonical_bytes(self.ir, self.meta)
+
+    def save(self, path) -> None:
+        Path(path).write_bytes(self.to_bytes())
+
+    @staticmethod
+    def from_bytes(data: bytes, source: str = "<bytes>") -> "Plan":
+        from .backends.planfile import unpack
+        ir, meta, measured = unpack(data, source)
+        return Plan(ir, meta, measured)
+
+
+def load(path) -> Plan:
+    """Read and validate a plan file (raises :class:`PlanFileError`)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise PlanFileError(f"{path}: cannot read plan file: {e.strerror}") from None
+    return Plan.from_bytes(data, str(path))
+
+
+def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads: int = 8,
+            kv_heads: int | None = None, head_dim: int = 64, strategy: str = "zigzag", block_size: int = 2048,
+            pipeline: str | None = None, segments=None, dtype: str = "bfloat16", memory_cap: int | None = None,
+            verify: bool = True, profile: str = "h100", instruments=()) -> Plan:
+    """Compile one batch into a verified plan.
+
+    ``mask`` is a builtin name or expression (``"causal"``,
+    ``"sliding_window(256) | k < 16"``), a path to a ``.mask`` file, or a
+    parsed ``MaskProgram``. ``kv_heads`` defaults to ``heads``. ``pipeline``
+    overrides ``strategy``/``block_size`` with a pass pipeline string."""
+    from . import backends  # noqa: F401  (registers emit)
+    from .backends.cost import get_profile
+    from .frontend import MaskProgram, load_mask, lower_batch
+    from .passes import parse_pipeline, run_pipeline
+
+    t0 = time.perf_counter()
+    lens = _seqlens(seqlens)
+    devices = _positive_int("devices", devices)
+    nodes = _positive_int("nodes", nodes)
+    heads = _positive_int("heads", heads)
+    kv_heads = heads if kv_heads is None else _positive_int("kv_heads", kv_heads)
+    head_dim = _positive_int("head_dim", head_dim)
+    block_size = _positive_int("block_size", block_size)
+    if devices % nodes:
+        raise PlanError(f"devices ({devices}) must be a multiple of nodes ({nodes})")
+    if memory_cap is not None:
+        memory_cap = _positive_int("memory_cap", memory_cap)
+    get_profile(profile)
+    if pipeline is None:
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+        pipeline = default_pipeline(strategy, block_size)
+    passes = parse_pipeline(pipeline)
+    if segments is not None:
+        segments = tuple(tuple((str(k), int(n)) for k, n in s) if s is not None else None for s in segments)
+        if len(segments) != len(lens):
+            raise BatchError(f"segments are given for {len(segments)} samples, the batch has {len(lens)}")
+    prog = mask if isinstance(mask, MaskProgram) else load_mask(str(mask))
+    pieces = lower_batch(prog, lens.tolist(), segments)
+    problem = Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=pieces,
+                      mask=prog.source, segments=segments, dtype=dtype)
+    ir = run_pipeline(PlanIR(problem, devices, nodes, memory_cap), passes, verify_each=verify,
+                      instruments=tuple(instruments))
+    if ir.program is None:
+        raise PlanError(f"pipeline {pipeline!r} does not end in a program; add 'emit'")
+    meta = {"pipeline": ",".join(p.spec() for p in passes), "strategy": strategy if pipeline else "",
+            "block_size": block_size, "profile": profile}
+    return Plan(ir, meta, {"plan_s": time.perf_counter() - t0})
+
+
+def execute(plan: Plan, q, k, v, softmax_scale: float | None = None):
+    """Run ``plan`` on global ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` in this
+    process (every device's program, in-memory transport). Differentiable."""
+    from .runtime.executor import execute as _execute
+    return _execute(plan.ir, q, k, v, softmax_scale)

@@ -1,0 +1,118 @@
+"""A first cost model and an event simulator of the programs.
+
+Compute: a compute block costs ``launch_s`` plus its FLOPs at
+``peak_flops * efficiency``, with each piece's query rows rounded up to the
+kernel's ``tile_q`` (a 1-row piece costs a whole 128-row tile). Backward
+costs ``bwd_factor`` times forward (flash-attention's 5 matmuls vs 2).
+Communication: ``alpha + bytes / bandwidth``, intra-node or inter-node; a
+sender's link carries one transfer at a time. Merges and adds stream their
+bytes at ``mem_bw``.
+
+The simulator walks the programs with the same cooperative walk as the
+verifier; a transfer starts once both ends are posted (and the sender's link
+is free). ``predicted_s`` = forward makespan + backward makespan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..errors import PlanError
+from ..ir.interp import cooperate
+from ..ir.mask import Q0, Q1, piece_counts
+from ..ir.program import (ADD, ATTN, ATTN_BWD, BBYTES, BWD, FWD, MERGE, RECV, SEND, T_BYTES, T_DST, T_SRC, WAIT)
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    peak_flops: float      # dense bf16 matmul peak, FLOP/s
+    efficiency: float      # attention kernel's share of peak
+    launch_s: float        # per compute-block launch overhead
+    tile_q: int            # kernel query tile (rows are rounded up to it)
+    intra_bw: float        # bytes/s per direction, same node
+    inter_bw: float        # bytes/s per direction, across nodes
+    intra_alpha: float     # latency per transfer, same node
+    inter_alpha: float
+    mem_bw: float          # bytes/s for merges
+    bwd_factor: float = 2.5
+
+    @property
+    def flops(self) -> float:
+        return self.peak_flops * self.efficiency
+
+
+PROFILES = {
+    # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 450 GB/s per direction; 400 Gb/s IB per GPU.
+    "h100": Profile("h100", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 3.0e12),
+    # A100 SXM: 312 TFLOP/s; NVLink 3 300 GB/s per direction; 200 Gb/s IB per GPU.
+    "a100": Profile("a100", 312e12, 0.6, 5e-6, 128, 240e9, 22e9, 10e-6, 20e-6, 1.8e12),
+    # this 2-core CPU: the CPU flash op reaches 270-670 GFLOP/s bf16; gloo on loopback 1-3 GB/s.
+    "cpu-local": Profile("cpu-local", 4e11, 1.0, 50e-6, 1, 2e9, 2e9, 50e-6, 50e-6, 5e9),
+}
+
+
+def get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise PlanError(f"unknown cost profile {name!r}; known: {', '.join(sorted(PROFILES))}")
+    return PROFILES[name]
+
+
+def cb_seconds(graph, prof: Profile) -> np.ndarray:
+    """Forward seconds of every compute block (tile rounding, launch overhead)."""
+    P = graph.pieces
+    if len(P) == 0:
+        return np.zeros(graph.n_cb)
+    rows = P[:, Q1] - P[:, Q0]
+    rounded = piece_counts(P) * (-(-rows // prof.tile_q) * prof.tile_q) / rows
+    tile = np.add.reduceat(rounded, graph.tile_ptr[:-1])
+    flops = 4.0 * graph.problem.head_dim * tile[graph.cb_tile] * graph.hg_heads[graph.cb_hg]
+    return prof.launch_s + flops / prof.flops
+
+
+def simulate(ir, prof: Profile) -> dict:
+    """Per-device finish times and busy compute seconds of each phase, and the makespan."""
+    g, pl, prog = ir.graph, ir.placement, ir.program
+    fwd_cost = cb_seconds(g, prof)
+    node = np.arange(prog.devices) // pl.devices_per_node
+    X = prog.transfers
+    src, dst, nbytes = X[:, T_SRC], X[:, T_DST], X[:, T_BYTES].astype(float)
+    inter = node[src] != node[dst] if len(X) else np.zeros(0, bool)
+    dur = np.where(inter, prof.inter_alpha + nbytes / prof.inter_bw, prof.intra_alpha + nbytes / prof.intra_bw)
+    result = {}
+    for phase, factor in ((FWD, 1.0), (BWD, prof.bwd_factor)):
+        clock = [0.0] * prog.devices
+        busy = [0.0] * prog.devices
+        posted = {}
+        end = {}
+        link_free = [0.0] * prog.devices
+        bufbytes = [b[:, BBYTES].tolist() for b in prog.buffers[phase]]
+        cost = (fwd_cost * factor).tolist()
+
+        def on(d, i, row):
+            op = row[0]
+            if op in (SEND, RECV):
+                posted.setdefault(row[1], []).append(clock[d])
+            elif op == WAIT:
+                t = row[1]
+                if t not in end:
+                    start = max(max(posted[t]), link_free[src[t]])
+                    end[t] = start + dur[t]
+                    link_free[src[t]] = end[t]
+                clock[d] = max(clock[d], end[t])
+            elif op in (ATTN, ATTN_BWD):
+                clock[d] += cost[row[1]]
+                busy[d] += cost[row[1]]
+            elif op in (MERGE, ADD):
+                dt = bufbytes[d][row[2]] * 3 / prof.mem_bw
+                clock[d] += dt
+                busy[d] += dt
+
+        cooperate(prog, phase, on)
+        name = "fwd" if phase == FWD else "bwd"
+        result[name] = {"finish_s": clock, "compute_s": busy, "makespan_s": max(clock) if clock else 0.0}
+    result["predicted_s"] = result["fwd"]["makespan_s"] + result["bwd"]["makespan_s"]
+    result["profile"] = asdict(prof)
+    return result

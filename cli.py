@@ -1,0 +1,166 @@
+"""The ``plan`` command line. Every input error ends in one message on stderr
+and exit code 2; a failed ``--check`` exits 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .errors import AttnplanError, PlanError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage too; we keep it short)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _batch_args(p):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--seqlens", help="comma-separated sample lengths, e.g. 4096,1000,300")
+    src.add_argument("--batch", help="batch file (JSON or JSONL) or FILE:NAME for one line of a JSONL file")
+
+
+def _load_batch(args):
+    from .frontend import load_batch, parse_seqlens
+    if args.seqlens is not None:
+        return parse_seqlens(args.seqlens), None
+    b = load_batch(args.batch)
+    return b.seqlens, b.segments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="plan", description="attnplan: compile, inspect and run distributed attention plans")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    c = sub.add_parser("compile", help="compile a batch and a mask into a plan file")
+    _batch_args(c)
+    c.add_argument("--mask", default="causal", help="builtin name, mask expression, or FILE.mask (default: causal)")
+    c.add_argument("--devices", type=int, required=True)
+    c.add_argument("--nodes", type=int, default=1)
+    c.add_argument("--heads", type=int, default=8)
+    c.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    c.add_argument("--head-dim", type=int, default=64)
+    c.add_argument("--block-size", type=int, default=2048)
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    c.add_argument("--memory-cap", type=int, default=None, help="bytes of buffers per device and phase")
+    c.add_argument("--profile", default="h100", help="cost profile for predicted times (h100, a100, cpu-local)")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--strategy", default="zigzag")
+    g.add_argument("--pipeline", help="pass pipeline, e.g. 'tile{block=1024},zigzag,comm,emit'")
+    c.add_argument("--no-verify", action="store_true", help="skip the verifier between passes")
+    c.add_argument("-v", "--verbose", action="store_true", help="print each pass and its time")
+    c.add_argument("-o", "--output", required=True, help="plan file to write")
+
+    s = sub.add_parser("stats", help="statistics of a plan")
+    s.add_argument("plan")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--profile", default=None)
+
+    r = sub.add_parser("run", help="execute a plan on CPU in this process")
+    r.add_argument("plan")
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    r.add_argument("--check", action="store_true", help="compare outputs and gradients with dense masked attention")
+    r.add_argument("--devices", type=int, default=None, help="expected device count (error if the plan differs)")
+    r.add_argument("--seed", type=int, default=0)
+
+    sh = sub.add_parser("show", help="text form of a plan's programs")
+    sh.add_argument("plan")
+    sh.add_argument("--device", type=int, default=None)
+    sh.add_argument("--level", default="program", choices=["program", "all"])
+
+    m = sub.add_parser("mask", help="ASCII picture of a mask over a small batch")
+    m.add_argument("mask")
+    _batch_args(m)
+    m.add_argument("--width", type=int, default=64)
+    return ap
+
+
+def _cmd_compile(args) -> int:
+    from .api import compile as compile_plan
+    seqlens, segments = _load_batch(args)
+
+    def show(p, ir, dt):
+        print(f"  {p.spec():<40} {dt * 1e3:9.1f} ms", file=sys.stderr)
+
+    plan = compile_plan(seqlens=seqlens, segments=segments, mask=args.mask, devices=args.devices, nodes=args.nodes,
+                        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, strategy=args.strategy,
+                        block_size=args.block_size, pipeline=args.pipeline, dtype=args.dtype,
+                        memory_cap=args.memory_cap, verify=not args.no_verify, profile=args.profile,
+                        instruments=(show,) if args.verbose else ())
+    plan.save(args.output)
+    s = plan.stats()
+    print(f"wrote {args.output}: {s['devices']} devices, {s['tokens']} tokens, compute imbalance "
+          f"{s['compute_imbalance']:.3f}, comm {s['comm_bytes_total'] / 1e6:.2f} MB, predicted "
+          f"{s['predicted_s'] * 1e3:.3f} ms, planned in {s['plan_s']:.3f} s")
+    return 0
+
+
+def _cmd_stats(args) -> int:
+    from .api import load
+    from .backends.stats import format_stats
+    s = load(args.plan).stats(args.profile)
+    print(json.dumps(s, indent=2) if args.json else format_stats(s))
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from .api import load
+    from .runtime.check import check_plan, run_plan
+    plan = load(args.plan)
+    if args.devices is not None and args.devices != plan.devices:
+        raise PlanError(f"{args.plan} was compiled for {plan.devices} devices, not {args.devices}")
+    t0 = time.perf_counter()
+    if not args.check:
+        run_plan(plan, args.dtype, args.seed)
+        print(f"ran {plan.devices} devices forward+backward in {time.perf_counter() - t0:.2f} s")
+        return 0
+    r = check_plan(plan, args.dtype, args.seed)
+    for name in ("out", "dq", "dk", "dv"):
+        print(f"{name:>4}: max abs error {r[name]:.3e} (tolerance {r['tol'][name]:.1e})")
+    print(f"{'PASS' if r['ok'] else 'FAIL'}: {plan.devices} devices, {plan.problem.tokens} tokens, {args.dtype}, "
+          f"{time.perf_counter() - t0:.2f} s")
+    return 0 if r["ok"] else 1
+
+
+def _cmd_show(args) -> int:
+    from .api import load
+    plan = load(args.plan)
+    if args.level == "all":
+        if args.device is not None:
+            plan.to_text(args.device)  # validates the device
+        ir = plan.ir
+        print(ir.problem.to_text())
+        print(ir.graph.to_text())
+        print(ir.placement.to_text())
+        print(ir.schedule.to_text())
+    sys.stdout.write(plan.to_text(args.device))
+    return 0
+
+
+def _cmd_mask(args) -> int:
+    from .frontend import load_mask, render
+    seqlens, segments = _load_batch(args)
+    if args.width <= 0:
+        raise PlanError(f"--width must be positive, got {args.width}")
+    if sum(seqlens) > 4096:
+        raise PlanError(f"plan mask draws small batches (at most 4096 tokens); this one has {sum(seqlens)}")
+    print(render(load_mask(args.mask), seqlens, segments, width=args.width))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    cmds = {"compile": _cmd_compile, "stats": _cmd_stats, "run": _cmd_run, "show": _cmd_show, "mask": _cmd_mask}
+    try:
+        return cmds[args.cmd](args)
+    except AttnplanError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `plan show x.plan | head`
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

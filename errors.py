@@ -1,0 +1,47 @@
+"""Typed exceptions. The CLI turns every ``AttnplanError`` into one line on
+stderr and exit code 2; the API raises them as they are."""
+
+
+class AttnplanError(Exception):
+    """Base class of every error caused by bad input."""
+
+
+class MaskError(AttnplanError):
+    """Bad mask text: unknown name, wrong arity, bad parameter, syntax error.
+
+    ``str()`` is ``file:line:col: message`` followed by the offending line and a caret."""
+
+    def __init__(self, message: str, filename: str = "<mask>", line: int = 0, col: int = 0, text: str = ""):
+        self.message, self.filename, self.line, self.col, self.text = message, filename, line, col, text
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if not self.line:
+            return f"{self.filename}: {self.message}"
+        src = self.text.splitlines()[self.line - 1] if self.text and self.line <= len(self.text.splitlines()) else ""
+        caret = " " * max(0, self.col - 1) + "^"
+        return f"{self.filename}:{self.line}:{self.col}: {self.message}\n  {src}\n  {caret}"
+
+
+class BatchError(AttnplanError):
+    """Bad batch spec: file missing or unparsable, bad lengths or segments."""
+
+
+class PlanFileError(AttnplanError):
+    """A plan file that is truncated, altered, of another version, or malformed."""
+
+
+class PlanError(AttnplanError):
+    """A plan that cannot be built or used as asked (bad options, device count mismatch)."""
+
+
+class VerifyError(AttnplanError):
+    """An IR invariant does not hold; the message names the pass, block and device."""
+
+
+class ShapeError(AttnplanError):
+    """Tensors given to the runtime do not match the plan."""
+
+
+class DeadlockError(AttnplanError):
+    """No device can make progress; the message names the devices and transfer keys."""

@@ -1,0 +1,178 @@
+"""BlockGraph: data blocks and compute blocks, columnar.
+
+* token blocks ``tb``: contiguous intervals ``[tb_start, tb_end)`` partitioning
+  the packed axis; the tile pass cuts at sample boundaries and every ``block``
+  tokens from each sample start (no padding: a short last block is fine);
+  placement passes may add cuts.
+* head groups ``hg``: kv-head ranges ``[hg_start, hg_end)``; a group's query
+  heads are ``[hg_start * group, hg_end * group)``.
+* data blocks are implicit: Q, KV and O of one (token block, head group).
+* tiles: (q block, kv block) pairs with at least one allowed pair; each owns
+  the mask pieces clipped to its rectangle (CSR: ``tile_ptr`` into ``pieces``),
+  ``piece_src`` names the mask piece each came from.
+* compute blocks ``cb``: (tile, head group); ``cb_pairs`` is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .mask import K0, K1, Q0, Q1, piece_counts, tighten
+from .problem import Problem
+
+
+def _expand(first: np.ndarray, last: np.ndarray):
+    """For ranges ``[first[i], last[i]]`` return (owner row, value) of every element."""
+    n = np.maximum(last - first + 1, 0)
+    owner = np.repeat(np.arange(len(first)), n)
+    value = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + first[owner]
+    return owner, value
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockGraph:
+    problem: Problem
+    tb_start: np.ndarray
+    tb_end: np.ndarray
+    hg_start: np.ndarray
+    hg_end: np.ndarray
+    tile_q: np.ndarray
+    tile_k: np.ndarray
+    tile_ptr: np.ndarray
+    pieces: np.ndarray
+    piece_src: np.ndarray
+    tile_pairs: np.ndarray
+    cb_tile: np.ndarray
+    cb_hg: np.ndarray
+
+    def __post_init__(self):
+        for f in self.__dataclass_fields__:
+            v = getattr(self, f)
+            if isinstance(v, np.ndarray):
+                v.setflags(write=False)
+
+    # sizes -------------------------------------------------------------------
+    @property
+    def n_tb(self) -> int:
+        return len(self.tb_start)
+
+    @property
+    def n_hg(self) -> int:
+        return len(self.hg_start)
+
+    @property
+    def n_tile(self) -> int:
+        return len(self.tile_q)
+
+    @property
+    def n_cb(self) -> int:
+        return len(self.cb_tile)
+
+    # derived columns -----------------------------------------------------------
+    @property
+    def tb_len(self) -> np.ndarray:
+        return self.tb_end - self.tb_start
+
+    @property
+    def hg_heads(self) -> np.ndarray:
+        """Query heads per head group."""
+        return (self.hg_end - self.hg_start) * self.problem.group
+
+    @property
+    def cb_q(self) -> np.ndarray:
+        return self.tile_q[self.cb_tile]
+
+    @property
+    def cb_k(self) -> np.ndarray:
+        return self.tile_k[self.cb_tile]
+
+    @property
+    def cb_pairs(self) -> np.ndarray:
+        """Allowed pairs × query heads of each compute block."""
+        return self.tile_pairs[self.cb_tile] * self.hg_heads[self.cb_hg]
+
+    def cb_flops(self) -> np.ndarray:
+        return 4 * self.problem.head_dim * self.cb_pairs
+
+    def tile_pieces(self, tile: int) -> np.ndarray:
+        return self.pieces[self.tile_ptr[tile]:self.tile_ptr[tile + 1]]
+
+    def to_text(self, limit: int = 40) -> str:
+        lines = [f"blockgraph token_blocks={self.n_tb} head_groups={self.n_hg} tiles={self.n_tile} "
+                 f"compute_blocks={self.n_cb} pieces={len(self.pieces)}"]
+        for t in range(min(self.n_tb, limit)):
+            lines.append(f"  tb{t} [{self.tb_start[t]}, {self.tb_end[t]})")
+        for c in range(min(self.n_cb, limit)):
+            t = self.cb_tile[c]
+            lines.append(f"  c{c} = tile{t}(q=tb{self.tile_q[t]}, kv=tb{self.tile_k[t]}) hg{self.cb_hg[c]} "
+                         f"pairs={self.cb_pairs[c]} pieces={self.tile_ptr[t + 1] - self.tile_ptr[t]}")
+        if max(self.n_tb, self.n_cb) > limit:
+            lines.append(f"  ... ({self.n_tb} token blocks, {self.n_cb} compute blocks)")
+        return "\n".join(lines)
+
+
+def head_groups(kv_heads: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split ``kv_heads`` into ``n`` contiguous groups as evenly as possible."""
+    bounds = np.array([kv_heads * i // n for i in range(n + 1)], dtype=np.int64)
+    return bounds[:-1], bounds[1:]
+
+
+def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> BlockGraph:
+    """Tile ``problem`` at the token positions ``cuts`` (0 and T are added).
+
+    Vectorized: mask pieces are expanded over the q blocks they touch, then
+    over the kv blocks each clipped piece touches, clipped, tightened and
+    grouped by (q block, kv block)."""
+    T = problem.tokens
+    cuts = np.unique(np.concatenate([np.asarray(cuts, np.int64), [0, T]]))
+    cuts = cuts[(cuts >= 0) & (cuts <= T)]
+    starts, ends = cuts[:-1], cuts[1:]
+    P = problem.pieces.a
+    # over q blocks
+    first = np.searchsorted(starts, P[:, Q0], "right") - 1
+    last = np.searchsorted(starts, P[:, Q1] - 1, "right") - 1
+    src, qb = _expand(first, last)
+    rows = P[src]
+    rows[:, Q0] = np.maximum(rows[:, Q0], starts[qb])
+    rows[:, Q1] = np.minimum(rows[:, Q1], ends[qb])
+    keep = tighten(rows)
+    rows, src, qb = rows[keep], src[keep], qb[keep]
+    # over kv blocks
+    first = np.searchsorted(starts, rows[:, K0], "right") - 1
+    last = np.searchsorted(starts, rows[:, K1] - 1, "right") - 1
+    own, kb = _expand(first, last)
+    rows, src, qb = rows[own], src[own], qb[own]
+    rows[:, K0] = np.maximum(rows[:, K0], starts[kb])
+    rows[:, K1] = np.minimum(rows[:, K1], ends[kb])
+    keep = tighten(rows)
+    rows, src, qb, kb = rows[keep], src[keep], qb[keep], kb[keep]
+    # group into tiles
+    key = qb * len(starts) + kb
+    order = np.lexsort((src, key))
+    rows, src, key = rows[order], src[order], key[order]
+    bound = np.flatnonzero(np.diff(key)) + 1
+    tile_ptr = np.concatenate([[0], bound, [len(key)]]).astype(np.int64)
+    tile_key = key[tile_ptr[:-1]] if len(key) else key
+    counts = piece_counts(rows)
+    tile_pairs = np.add.reduceat(counts, tile_ptr[:-1]) if len(counts) else counts
+    hs, he = head_groups(problem.kv_heads, n_head_groups)
+    n_tile = len(tile_key)
+    return BlockGraph(
+        problem=problem, tb_start=starts.copy(), tb_end=ends.copy(), hg_start=hs, hg_end=he,
+        tile_q=tile_key // len(starts), tile_k=tile_key % len(starts), tile_ptr=tile_ptr,
+        pieces=np.ascontiguousarray(rows), piece_src=src, tile_pairs=tile_pairs.astype(np.int64),
+        cb_tile=np.repeat(np.arange(n_tile, dtype=np.int64), n_head_groups),
+        cb_hg=np.tile(np.arange(n_head_groups, dtype=np.int64), n_tile),
+    )
+
+
+def sample_cuts(problem: Problem, block: int) -> np.ndarray:
+    """Sample boundaries and every ``block`` tokens from each sample start."""
+    off = problem.offsets
+    lens = problem.seqlens
+    per = (lens + block - 1) // block
+    owner = np.repeat(np.arange(len(lens)), per)
+    idx = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+    return np.concatenate([off[owner] + idx * block, off])

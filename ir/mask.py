@@ -1,0 +1,213 @@
+"""Canonical mask form: disjoint pieces.
+
+A piece is the set of (q, k) with ``q0 <= q < q1``, ``k0 <= k < k1`` and
+``lo <= k - q <= hi``: a rectangle intersected with a diagonal band. Full,
+causal, sliding-window, inverse-causal and band masks are single pieces; the
+family is closed under intersection, and differences split into at most six
+pieces, so unions and complements stay disjoint piece lists. A piece's pair
+count has a closed form (:func:`piece_counts`), so nothing here ever builds a
+dense matrix except :meth:`Pieces.to_dense`, which tests use.
+
+``Pieces`` is columnar: one ``int64`` array of shape ``[n, 6]`` with columns
+``q0, q1, k0, k1, lo, hi``. ``INF`` stands for an unbounded band side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+INF = 1 << 62
+Q0, Q1, K0, K1, LO, HI = range(6)
+_CHUNK = 1 << 20  # max pairs materialized at once by pairwise ops
+
+
+def tighten(a: np.ndarray) -> np.ndarray:
+    """Tighten pieces in place (int64 ``[n, 6]``); return the mask of non-empty rows.
+
+    After this, every row ``q`` in ``[q0, q1)`` and every column in ``[k0, k1)``
+    of a non-empty piece has at least one allowed pair, and ``lo``/``hi`` are
+    finite. Bounds only move inwards, so a row found empty stays empty."""
+    for _ in range(2):
+        a[:, LO] = np.maximum(a[:, LO], a[:, K0] - (a[:, Q1] - 1))
+        a[:, HI] = np.minimum(a[:, HI], (a[:, K1] - 1) - a[:, Q0])
+        a[:, Q0] = np.maximum(a[:, Q0], a[:, K0] - a[:, HI])
+        a[:, Q1] = np.minimum(a[:, Q1], a[:, K1] - a[:, LO])
+        a[:, K0] = np.maximum(a[:, K0], a[:, Q0] + a[:, LO])
+        a[:, K1] = np.minimum(a[:, K1], a[:, Q1] + a[:, HI])
+    return (a[:, Q0] < a[:, Q1]) & (a[:, K0] < a[:, K1]) & (a[:, LO] <= a[:, HI])
+
+
+def normalize(a: np.ndarray) -> np.ndarray:
+    """A tightened copy of the pieces ``a`` without the empty ones (see :func:`tighten`)."""
+    a = np.array(a, dtype=np.int64, copy=True).reshape(-1, 6)
+    return a[tighten(a)]
+
+
+def piece_counts(a: np.ndarray) -> np.ndarray:
+    """Exact number of allowed pairs of each *normalized* piece (closed form)."""
+    q0, q1, k0, k1, lo, hi = (a[:, i] for i in range(6))
+    n = q1 - q0
+    # sum over q of upper(q) = min(k1 - 1, q + hi): q + hi for q <= k1 - 1 - hi
+    m = np.clip(k1 - hi, q0, q1)
+    upper = (q0 + m - 1) * (m - q0) // 2 + (m - q0) * hi + (q1 - m) * (k1 - 1)
+    # sum over q of lower(q) = max(k0, q + lo): q + lo for q >= k0 - lo
+    m2 = np.clip(k0 - lo, q0, q1)
+    lower = (m2 - q0) * k0 + (m2 + q1 - 1) * (q1 - m2) // 2 + (q1 - m2) * lo
+    return upper - lower + n
+
+
+def _pairwise(a: np.ndarray, b: np.ndarray):
+    """Index pairs (i, j) whose bounding boxes overlap, chunked to bound memory."""
+    ii, jj = [], []
+    step = max(1, _CHUNK // max(1, len(b)))
+    for s in range(0, len(a), step):
+        x = a[s:s + step]
+        hit = ((x[:, None, Q0] < b[None, :, Q1]) & (b[None, :, Q0] < x[:, None, Q1])
+               & (x[:, None, K0] < b[None, :, K1]) & (b[None, :, K0] < x[:, None, K1]))
+        i, j = np.nonzero(hit)
+        ii.append(i + s)
+        jj.append(j)
+    if not ii:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(ii), np.concatenate(jj)
+
+
+def _intersect_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    out[:, [Q0, K0, LO]] = np.maximum(x[:, [Q0, K0, LO]], y[:, [Q0, K0, LO]])
+    out[:, [Q1, K1, HI]] = np.minimum(x[:, [Q1, K1, HI]], y[:, [Q1, K1, HI]])
+    return out
+
+
+def _subtract_one(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a \\ b for every row of ``a`` against the single piece ``b`` (six disjoint parts)."""
+    parts = []
+    # rows above and below b's rows
+    p = a.copy(); p[:, Q1] = np.minimum(p[:, Q1], b[Q0]); parts.append(p)
+    p = a.copy(); p[:, Q0] = np.maximum(p[:, Q0], b[Q1]); parts.append(p)
+    inside = a.copy()
+    inside[:, Q0] = np.maximum(inside[:, Q0], b[Q0])
+    inside[:, Q1] = np.minimum(inside[:, Q1], b[Q1])
+    # columns left and right of b's columns, within b's rows
+    p = inside.copy(); p[:, K1] = np.minimum(p[:, K1], b[K0]); parts.append(p)
+    p = inside.copy(); p[:, K0] = np.maximum(p[:, K0], b[K1]); parts.append(p)
+    inside[:, K0] = np.maximum(inside[:, K0], b[K0])
+    inside[:, K1] = np.minimum(inside[:, K1], b[K1])
+    # inside b's rectangle, outside its band
+    p = inside.copy(); p[:, HI] = np.minimum(p[:, HI], b[LO] - 1); parts.append(p)
+    p = inside.copy(); p[:, LO] = np.maximum(p[:, LO], b[HI] + 1); parts.append(p)
+    return normalize(np.concatenate(parts))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Pieces:
+    """A disjoint set of mask pieces, columnar (``a``: int64 ``[n, 6]``)."""
+
+    a: np.ndarray
+
+    def __post_init__(self):
+        self.a.setflags(write=False)
+
+    # construction ---------------------------------------------------------
+    @staticmethod
+    def of(rows) -> "Pieces":
+        """Pieces from raw rows ``(q0, q1, k0, k1, lo, hi)``; tightens and drops empties.
+        The rows must already be pairwise disjoint."""
+        return Pieces(normalize(np.asarray(rows, dtype=np.int64).reshape(-1, 6)))
+
+    @staticmethod
+    def empty() -> "Pieces":
+        return Pieces(np.zeros((0, 6), np.int64))
+
+    @staticmethod
+    def rect(q0, q1, k0, k1, lo=-INF, hi=INF) -> "Pieces":
+        return Pieces.of([(q0, q1, k0, k1, lo, hi)])
+
+    @staticmethod
+    def concat(parts) -> "Pieces":
+        """Union of piece sets that are known to be disjoint from each other."""
+        arrs = [p.a for p in parts if len(p.a)]
+        return Pieces(np.concatenate(arrs)) if arrs else Pieces.empty()
+
+    # queries ----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.a)
+
+    def counts(self) -> np.ndarray:
+        return piece_counts(self.a)
+
+    def pair_count(self) -> int:
+        return int(self.counts().sum())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Pieces) and np.array_equal(self.sorted().a, other.sorted().a)
+
+    def __hash__(self):  # pragma: no cover - unhashable on purpose
+        raise TypeError("Pieces is not hashable")
+
+    def sorted(self) -> "Pieces":
+        order = np.lexsort(self.a.T[::-1])
+        return Pieces(self.a[order])
+
+    # algebra ----------------------------------------------------------------
+    def shift(self, offset: int) -> "Pieces":
+        a = self.a.copy()
+        a[:, :4] += offset
+        return Pieces(a)
+
+    def intersect(self, other: "Pieces") -> "Pieces":
+        i, j = _pairwise(self.a, other.a)
+        return Pieces(normalize(_intersect_rows(self.a[i], other.a[j])))
+
+    def subtract(self, other: "Pieces") -> "Pieces":
+        cur = self.a
+        for b in other.a:
+            if not len(cur):
+                break
+            hit = ((cur[:, Q0] < b[Q1]) & (b[Q0] < cur[:, Q1])
+                   & (cur[:, K0] < b[K1]) & (b[K0] < cur[:, K1]))
+            if hit.any():
+                cur = np.concatenate([cur[~hit], _subtract_one(cur[hit], b)])
+        return Pieces(np.ascontiguousarray(cur))
+
+    def union(self, other: "Pieces") -> "Pieces":
+        return Pieces.concat([self, other.subtract(self)])
+
+    def complement(self, length: int) -> "Pieces":
+        """The pairs of ``[0, length)^2`` not in this set."""
+        return Pieces.rect(0, length, 0, length).subtract(self)
+
+    def clip(self, q0, q1, k0, k1) -> "Pieces":
+        return self.intersect(Pieces.rect(q0, q1, k0, k1))
+
+    # views (tests, pictures) ---------------------------------------------------
+    def to_dense(self, size: int) -> np.ndarray:
+        """Boolean ``[size, size]`` matrix. For tests and small pictures only."""
+        q = np.arange(size)[:, None]
+        k = np.arange(size)[None, :]
+        m = np.zeros((size, size), dtype=bool)
+        for q0, q1, k0, k1, lo, hi in self.a:
+            m |= (q >= q0) & (q < q1) & (k >= k0) & (k < k1) & (k - q >= lo) & (k - q <= hi)
+        return m
+
+    def to_string(self, size: int, width: int = 64) -> str:
+        """ASCII picture, one text row per query row (or per cell of rows when
+        ``size > width``): '#' all allowed, '+' mostly, '.' some, ' ' none."""
+        cell = max(1, -(-size // width))
+        n = -(-size // cell)
+        frac = np.zeros((n, n))
+        for q0, q1, k0, k1, lo, hi in self.a:
+            for r in range(q0 // cell, (q1 - 1) // cell + 1):
+                for c in range(k0 // cell, (k1 - 1) // cell + 1):
+                    box = normalize(np.array([[max(q0, r * cell), min(q1, (r + 1) * cell),
+                                               max(k0, c * cell), min(k1, (c + 1) * cell), lo, hi]]))
+                    frac[r, c] += piece_counts(box).sum()
+        area = np.full((n, n), float(cell * cell))
+        tail = size - (n - 1) * cell
+        area[-1, :] *= tail / cell
+        area[:, -1] *= tail / cell
+        frac /= area
+        chars = np.where(frac >= 1 - 1e-9, "#", np.where(frac > 0.5, "+", np.where(frac > 0, ".", " ")))
+        return "\n".join("".join(row) for row in chars)

@@ -1,0 +1,39 @@
+"""Schedule: which stage each compute block runs in and which forward
+transfers feed it. Backward transfers follow from the forward ones (see
+:mod:`attnplan.backends.emit`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# forward transfer kinds
+X_Q, X_KV, X_O = 0, 1, 2
+XFER_KIND_NAMES = ("Q", "KV", "O")
+# columns of Schedule.xfer
+XK, XTB, XHG, XSRC, XDST, XSTAGE = range(6)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Schedule:
+    """``cb_stage[cb]``: stage of each compute block. ``xfer``: int64 ``[n, 6]``
+    rows ``(kind, tb, hg, src, dst, stage)``: Q and KV blocks move from their
+    home to a computing device before ``stage``; partial O blocks move from a
+    computing device to the home after ``stage``."""
+
+    stages: int
+    cb_stage: np.ndarray
+    xfer: np.ndarray
+
+    def __post_init__(self):
+        self.cb_stage.setflags(write=False)
+        self.xfer.setflags(write=False)
+
+    def to_text(self, limit: int = 40) -> str:
+        lines = [f"schedule stages={self.stages} transfers={len(self.xfer)}"]
+        for k, tb, hg, s, d, st in self.xfer[:limit].tolist():
+            lines.append(f"  stage {st}: {XFER_KIND_NAMES[k]}[tb{tb},hg{hg}] d{s} -> d{d}")
+        if len(self.xfer) > limit:
+            lines.append(f"  ... ({len(self.xfer)} transfers)")
+        return "\n".join(lines)

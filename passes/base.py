@@ -1,0 +1,130 @@
+"""Passes: small frozen dataclasses with a ``name``, options as fields, one
+``apply``. Registered by name; a pipeline is text such as
+``tile{block=1024},zigzag,comm,emit``. Verification, timing and dumping hook
+in around passes (``instruments``), never inside them."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+from ..errors import AttnplanError, PlanError, VerifyError
+from ..ir.module import PlanIR
+from ..ir.verify import verify
+
+REGISTRY: dict[str, type] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    name: ClassVar[str] = ""
+    needs: ClassVar[tuple[str, ...]] = ()  # IR levels that must exist before apply
+
+    def apply(self, ir: PlanIR) -> PlanIR:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def spec(self) -> str:
+        opts = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return f"{self.name}{{{opts}}}" if opts else self.name
+
+
+def register(cls):
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _convert(pass_name: str, field: dataclasses.Field, text: str):
+    typ = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    try:
+        if typ.startswith("int"):
+            return int(text)
+        if typ.startswith("float"):
+            return float(text)
+        if typ.startswith("bool"):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+    except ValueError:
+        raise PlanError(f"pass {pass_name}: option {field.name} must be {typ}, got {text!r}") from None
+    return text
+
+
+def _split_top(spec: str) -> list[str]:
+    items, depth, cur = [], 0, ""
+    for ch in spec:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth < 0:
+                raise PlanError(f"pipeline {spec!r}: unbalanced '}}'")
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise PlanError(f"pipeline {spec!r}: unbalanced '{{'")
+    return items + [cur]
+
+
+def parse_pipeline(spec: str) -> list[Pass]:
+    """``name{opt=value,...},name,...`` → pass instances (clear errors on unknown names/options)."""
+    passes = []
+    for item in _split_top(spec.strip()):
+        item = item.strip()
+        if not item:
+            raise PlanError(f"pipeline {spec!r}: empty pass name")
+        name, _, rest = item.partition("{")
+        name = name.strip()
+        if name not in REGISTRY:
+            raise PlanError(f"unknown pass {name!r}; known passes: {', '.join(sorted(REGISTRY))}")
+        cls = REGISTRY[name]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        if rest:
+            if not rest.endswith("}"):
+                raise PlanError(f"pipeline item {item!r}: expected '}}' at the end")
+            for opt in filter(None, (o.strip() for o in rest[:-1].split(","))):
+                key, eq, val = opt.partition("=")
+                key = key.strip()
+                if not eq or key not in fields:
+                    raise PlanError(f"pass {name}: unknown option {opt!r}; options: "
+                                    f"{', '.join(fields) or '(none)'}")
+                kwargs[key] = _convert(name, fields[key], val.strip())
+        try:
+            passes.append(cls(**kwargs))
+        except AttnplanError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"pass {name}: {e}") from None
+    return passes
+
+
+Instrument = Callable[[Pass, PlanIR, float], None]
+
+
+def run_pipeline(ir: PlanIR, passes: list[Pass], verify_each: bool = True,
+                 instruments: tuple[Instrument, ...] = ()) -> PlanIR:
+    """Apply ``passes`` in order; verify after each one (unless disabled) and
+    call every instrument with (pass, result, seconds)."""
+    done: set = set()
+    if verify_each:
+        verify(ir, done)
+    for p in passes:
+        for level in p.needs:
+            if getattr(ir, level) is None:
+                raise PlanError(f"pass {p.name} needs a {level}; run a pass that makes one first")
+        t0 = time.perf_counter()
+        ir = p.apply(ir)
+        dt = time.perf_counter() - t0
+        if verify_each:
+            try:
+                verify(ir, done)
+            except VerifyError as e:
+                raise VerifyError(f"after pass {p.spec()}: {e}") from None
+        for inst in instruments:
+            inst(p, ir, dt)
+    return ir

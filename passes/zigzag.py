@@ -1,0 +1,35 @@
+"""zigzag: the ring-attention baseline. The packed sequence is cut into 2N
+equal chunks (the first T mod 2N chunks one token longer); device i holds
+chunks i and 2N-1-i. Compute runs where Q lives; KV travels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ir.graph import build_graph
+from ..ir.module import PlanIR
+from ..ir.placement import Placement
+from .base import Pass, register
+
+
+def chunk_bounds(tokens: int, chunks: int) -> np.ndarray:
+    """``chunks + 1`` boundaries of an even split of ``[0, tokens)``."""
+    return (np.arange(chunks + 1, dtype=np.int64) * tokens) // chunks
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class Zigzag(Pass):
+    name = "zigzag"
+    needs = ("graph",)
+
+    def apply(self, ir: PlanIR) -> PlanIR:
+        g, n = ir.graph, ir.devices
+        bounds = chunk_bounds(ir.problem.tokens, 2 * n)
+        g = build_graph(ir.problem, np.concatenate([g.tb_start, bounds]), g.n_hg)
+        chunk = np.searchsorted(bounds, g.tb_start, "right") - 1
+        home = np.where(chunk < n, chunk, 2 * n - 1 - chunk).astype(np.int64)
+        pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=home[g.cb_q].copy())
+        return ir.replace(graph=g, placement=pl, schedule=None, program=None)

@@ -1,0 +1,11 @@
+import os
+
+from hypothesis import HealthCheck, settings
+
+# "ci" (the default): derandomized, so every run tries the same examples.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# "dev": random exploration with more examples (HYPOTHESIS_PROFILE=dev).
+settings.register_profile("dev", deadline=None, max_examples=500,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,0 +1,162 @@
+"""Mutation tests: break one thing in a verified plan; the verifier must name it."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import attnplan
+from attnplan.errors import VerifyError
+from attnplan.ir.mask import Pieces
+from attnplan.ir.program import ADD, ATTN, BWD, FWD, RECV, SEND, WAIT, Program
+from attnplan.ir.verify import verify
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return attnplan.compile(seqlens=[37, 11, 64, 5], mask="causal", devices=4, heads=4, kv_heads=2, head_dim=8,
+                            block_size=8)
+
+
+def with_code(ir, phase, device, rows):
+    code = [list(ph) for ph in ir.program.code]
+    code[phase][device] = np.asarray(rows, np.int64).reshape(-1, 6)
+    prog = Program(ir.program.devices, ir.program.transfers, ir.program.buffers, tuple(map(tuple, code)))
+    return ir.replace(program=prog)
+
+
+def rows_of(ir, phase, device):
+    return ir.program.code[phase][device].tolist()
+
+
+def device_with(ir, phase, op):
+    for d in range(ir.devices):
+        if any(r[0] == op for r in rows_of(ir, phase, d)):
+            return d
+    raise AssertionError("no device has that op")
+
+
+def test_plan_verifies(plan):
+    verify(plan.ir)  # must not raise
+
+
+def test_drop_compute_block(plan):
+    g = plan.ir.graph
+    g2 = dataclasses.replace(g, cb_tile=g.cb_tile[1:].copy(), cb_hg=g.cb_hg[1:].copy())
+    with pytest.raises(VerifyError, match=r"invariant 2: compute block \(tile 0.*is missing"):
+        verify(plan.ir.replace(graph=g2, placement=None, schedule=None, program=None))
+
+
+def test_duplicate_compute_block(plan):
+    g = plan.ir.graph
+    g2 = dataclasses.replace(g, cb_tile=np.append(g.cb_tile, g.cb_tile[3]), cb_hg=np.append(g.cb_hg, g.cb_hg[3]))
+    with pytest.raises(VerifyError, match=r"invariant 2: compute block .* appears 2 times"):
+        verify(plan.ir.replace(graph=g2, placement=None, schedule=None, program=None))
+
+
+def test_drop_attn_instruction(plan):
+    ir = plan.ir
+    d = device_with(ir, FWD, ATTN)
+    rows = rows_of(ir, FWD, d)
+    i = next(i for i, r in enumerate(rows) if r[0] == ATTN)
+    cb = rows[i][1]
+    with pytest.raises(VerifyError, match=rf"compute block c{cb} .* never runs in fwd"):
+        verify(with_code(ir, FWD, d, rows[:i] + rows[i + 1:]))
+
+
+def test_drop_send(plan):
+    ir = plan.ir
+    d = device_with(ir, FWD, SEND)
+    rows = rows_of(ir, FWD, d)
+    i = next(i for i, r in enumerate(rows) if r[0] == SEND)
+    tag = rows[i][1]
+    with pytest.raises(VerifyError, match=rf"t{tag} .*is received but never sent"):
+        verify(with_code(ir, FWD, d, rows[:i] + rows[i + 1:]))
+
+
+def test_wait_before_its_receive_is_posted(plan):
+    ir = plan.ir
+    d = device_with(ir, FWD, RECV)
+    rows = rows_of(ir, FWD, d)
+    r = next(i for i, x in enumerate(rows) if x[0] == RECV)
+    tag = rows[r][1]
+    w = next(i for i, x in enumerate(rows) if x[0] == WAIT and x[1] == tag)
+    wait = rows.pop(w)
+    rows.insert(r, wait)  # the wait now comes before the receive is launched
+    with pytest.raises(VerifyError, match=rf"invariant 5: deadlock in fwd: device {d} waits on t{tag} .*recv not posted"):
+        verify(with_code(ir, FWD, d, rows))
+
+
+def test_read_before_receive_completes(plan):
+    ir = plan.ir
+    d = device_with(ir, FWD, RECV)
+    rows = rows_of(ir, FWD, d)
+    tag = next(x[1] for x in rows if x[0] == RECV)
+    w = next(i for i, x in enumerate(rows) if x[0] == WAIT and x[1] == tag)
+    wait = rows.pop(w)
+    rows.append(wait)  # compute blocks now read the buffer before the wait
+    with pytest.raises(VerifyError, match=r"invariant 3: .* is read before its receive completed"):
+        verify(with_code(ir, FWD, d, rows))
+
+
+def test_merge_twice(plan):
+    # zigzag computes where Q lives: its partials are the backward dKV blocks
+    ir = plan.ir
+    d = device_with(ir, BWD, ADD)
+    rows = rows_of(ir, BWD, d)
+    i = next(i for i, r in enumerate(rows) if r[0] == ADD)
+    with pytest.raises(VerifyError, match=r"invariant 4: .*merges partial %\d+ twice"):
+        verify(with_code(ir, BWD, d, rows[:i + 1] + [rows[i]] + rows[i + 1:]))
+
+
+def test_partial_never_sent_home(plan):
+    ir = plan.ir
+    for d in range(ir.devices):
+        rows = rows_of(ir, BWD, d)
+        sends = [i for i, r in enumerate(rows) if r[0] == SEND]
+        bufs = ir.program.buffers[BWD][d]
+        part = [i for i in sends if bufs[rows[i][3]][3] == 2]
+        if part:
+            i = part[0]
+            with pytest.raises(VerifyError, match=r"never sent|is received but never sent"):
+                verify(with_code(ir, BWD, d, rows[:i] + rows[i + 1:]))
+            return
+    pytest.skip("no partial sends in this plan")
+
+
+def test_memory_cap():
+    small = attnplan.compile(seqlens=[40, 24], mask="causal", devices=2, heads=2, kv_heads=1, head_dim=8,
+                             block_size=8)
+    need = max(int(b[:, 5].sum()) for ph in small.ir.program.buffers for b in ph)
+    with pytest.raises(VerifyError, match=r"invariant 6: device \d needs \d+ bytes"):
+        verify(small.ir.replace(memory_cap=need - 1))
+    verify(small.ir.replace(memory_cap=need))
+    with pytest.raises(attnplan.VerifyError, match="invariant 6"):
+        attnplan.compile(seqlens=[40, 24], mask="causal", devices=2, heads=2, kv_heads=1, head_dim=8,
+                         block_size=8, memory_cap=need - 1)
+
+
+def test_overlapping_mask_pieces(plan):
+    p = plan.ir.problem
+    bad = Pieces(np.concatenate([p.pieces.a, p.pieces.a[:1]]))
+    with pytest.raises(VerifyError, match=r"invariant 1: mask pieces \d+ .* overlap"):
+        verify(plan.ir.replace(problem=dataclasses.replace(p, pieces=bad), graph=None, placement=None,
+                               schedule=None, program=None))
+
+
+def test_piece_outside_sample(plan):
+    p = plan.ir.problem
+    a = p.pieces.a.copy()
+    a[0, 1] += 1  # first sample's piece now reaches into the second sample's rows
+    with pytest.raises(VerifyError, match="invariant 1"):
+        verify(plan.ir.replace(problem=dataclasses.replace(p, pieces=Pieces(a)), graph=None, placement=None,
+                               schedule=None, program=None))
+
+
+def test_compute_on_wrong_device(plan):
+    pl = plan.ir.placement
+    cbd = pl.cb_device.copy()
+    cbd[0] = (cbd[0] + 1) % plan.devices
+    bad = dataclasses.replace(pl, cb_device=cbd)
+    with pytest.raises(VerifyError, match="invariant 3"):
+        verify(plan.ir.replace(placement=bad))
