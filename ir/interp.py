@@ -23,10 +23,12 @@ def transfer_key(program: Program, tag: int) -> str:
             f"d{t[T_SRC]}->d{t[T_DST]}")
 
 
-def cooperate(program: Program, phase: int, on_instr: Callable[[int, int, list], None]) -> None:
+def cooperate(program: Program, phase: int, on_instr: Callable[[int, int, list], None], code=None) -> None:
     """Run every device's ``phase`` stream, calling ``on_instr(device, index, row)``
-    for each instruction in an order every real transport could also take."""
-    code = [c.tolist() for c in program.code[phase]]
+    for each instruction in an order every real transport could also take.
+    ``code`` replaces the program's streams (the verifier walks only the
+    instructions that can block)."""
+    code = [c.tolist() for c in (program.code[phase] if code is None else code)]
     n = program.devices
     ntags = len(program.transfers)
     sent = np.zeros(ntags, bool)

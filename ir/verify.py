@@ -33,7 +33,7 @@ from .placement import Placement
 from .problem import Problem
 from .program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BHG, BK, BPEER, BROLE, BTB, BBYTES, BWD,
                       FWD, HOME, KINDS, MERGE, PART, PHASES, RECV, RECVD, SEND, T_BYTES, T_DST, T_HG, T_KIND,
-                      T_PHASE, T_SRC, T_TAG, T_TB, WAIT, Program, format_instr)
+                      T_PHASE, T_SRC, T_TAG, T_TB, WAIT, ROLES, Program, format_instr)
 from .schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XTB, Schedule
 
 
@@ -177,7 +177,6 @@ def verify_program(g: BlockGraph, pl: Placement, prog: Program, memory_cap: int 
     if nt and ((X[:, [T_SRC, T_DST]] < 0).any() or (X[:, [T_SRC, T_DST]] >= prog.devices).any()
                or (X[:, T_SRC] == X[:, T_DST]).any()):
         _fail(5, "a transfer has a bad source or destination")
-    cq, ck, chg, cdev = g.cb_q, g.cb_k, g.cb_hg, pl.cb_device
     for phase in (FWD, BWD):
         bufs = [b.tolist() for b in prog.buffers[phase]]
         # 6: memory
@@ -222,126 +221,163 @@ def verify_program(g: BlockGraph, pl: Placement, prog: Program, memory_cap: int 
                 _fail(5, f"{transfer_key(prog, t)} is received but never sent")
             if recvs[t] == -1:
                 _fail(5, f"{transfer_key(prog, t)} is sent but never received")
-        _symbolic_run(g, pl, prog, phase, bufs, cq, ck, chg, cdev)
+        _symbolic_run(g, pl, prog, phase)
 
 
-def _symbolic_run(g, pl, prog, phase, bufs, cq, ck, chg, cdev) -> None:
+_NEVER = np.iinfo(np.int64).max
+
+
+def _check_device(g, pl, prog, phase, d, ran, waited) -> None:
+    """Invariants 2-4 for one device and phase, vectorized over its instructions.
+
+    Order matters only through instruction indices: a received buffer is
+    ready after the index of the wait on its transfer, a partial is final
+    after its last write, and every read must come after readiness."""
+    B, C, X = prog.buffers[phase][d], prog.code[phase][d], prog.transfers
+    n, nb, nt = len(C), len(B), len(X)
+    op = C[:, 0]
+    idx = np.arange(n)
+
+    def fail(inv, i, msg):
+        _fail(inv, f"device {d} {PHASES[phase]} instruction {i}: {msg}", _context(prog, phase, d, int(i)))
+
+    def first(mask, inv, msg):
+        hit = np.flatnonzero(mask)
+        if len(hit):
+            fail(inv, hit[0], msg(hit[0]))
+
+    first((op < 0) | (op > ADD), 5, lambda i: f"unknown opcode {op[i]}")
+    # buffer operands in range
+    for ops_, cols in (((RECV, SEND), (3,)), ((ATTN,), (2, 3, 4)), ((ATTN_BWD,), (2, 3, 4, 5)), ((MERGE, ADD), (1, 2))):
+        sel = np.isin(op, ops_)
+        for col in cols:
+            first(sel & ((C[:, col] < 0) | (C[:, col] >= nb)), 3, lambda i: f"unknown buffer %{C[i, col]}")
+    # waits: each transfer of this device waited at most once here
+    w = op == WAIT
+    tags = C[w, 1]
+    first(w & ((C[:, 1] < 0) | (C[:, 1] >= nt)), 5, lambda i: f"waits on unknown transfer t{C[i, 1]}")
+    mine = (X[tags, T_SRC] == d) | (X[tags, T_DST] == d)
+    first(np.isin(idx, idx[w][~mine]), 5, lambda i: f"waits on {transfer_key(prog, C[i, 1])}, which is not its own")
+    uniq, counts = np.unique(tags, return_counts=True)
+    if (counts > 1).any():
+        t = uniq[counts > 1][0]
+        fail(5, idx[w][tags == t][1], f"waits on {transfer_key(prog, t)} twice")
+    wait_at = np.full(nt, _NEVER)
+    wait_at[tags] = idx[w]
+    side = np.where(X[tags, T_SRC] == d, 0, 1)
+    waited[tags, side] = True
+    # readiness of every buffer: home at start, received after the wait on its transfer
+    ready_at = np.full(nb, _NEVER)
+    ready_at[B[:, BROLE] == HOME] = -1
+    r = op == RECV
+    rb = C[r, 3]
+    ub, cnt = np.unique(rb, return_counts=True)
+    if (cnt > 1).any():
+        fail(5, idx[r][rb == ub[cnt > 1][0]][1], f"receives into %{ub[cnt > 1][0]} twice")
+    ready_at[rb] = wait_at[C[r, 1]]
+    # writes to partial buffers
+    is_c = (op == ATTN) | (op == ATTN_BWD)
+    wcols = (4,) if phase == FWD else (4, 5)
+    wb = np.concatenate([C[is_c, c] for c in wcols])
+    wi = np.concatenate([idx[is_c]] * len(wcols))
+    first_w = np.full(nb, _NEVER)
+    last_w = np.full(nb, -1)
+    np.minimum.at(first_w, wb, wi)
+    np.maximum.at(last_w, wb, wi)
+    part = B[:, BROLE] == PART
+    ready_at[part] = first_w[part]
+    # compute blocks
+    c = C[is_c, 1]
+    ci = idx[is_c]
+    first(is_c & ((C[:, 1] < 0) | (C[:, 1] >= g.n_cb)), 2, lambda i: f"unknown compute block c{C[i, 1]}")
+    cdev = pl.cb_device[c]
+    if (cdev != d).any():
+        j = np.flatnonzero(cdev != d)[0]
+        fail(3, ci[j], f"runs c{c[j]}, which is placed on d{cdev[j]}")
+    np.add.at(ran, c, 1)
+    over = ran[c] > 1
+    if over.any():
+        j = np.flatnonzero(over)[0]
+        fail(2, ci[j], f"runs c{c[j]} a second time")
+    cq, ck, chg = g.cb_q[c], g.cb_k[c], g.cb_hg[c]
+    operands = [(2, B_Q, cq, (HOME, RECVD), True, "Q"), (3, B_KV, ck, (HOME, RECVD), True, "KV")]
+    if phase == FWD:
+        operands.append((4, B_O, cq, (HOME, PART), False, "O"))
+    else:
+        operands += [(4, B_DQ, cq, (HOME, PART), False, "dQ"), (5, B_DKV, ck, (HOME, PART), False, "dKV")]
+    for col, kind, tb, roles, read, name in operands:
+        b = C[is_c, col]
+        ok = (B[b, BK] == kind) & (B[b, BTB] == tb) & (B[b, BHG] == chg) & np.isin(B[b, BROLE], roles)
+        if not ok.all():
+            j = np.flatnonzero(~ok)[0]
+            x = B[b[j]]
+            fail(3, ci[j], f"%{b[j]} is {KINDS[x[BK]]}[tb{x[BTB]},hg{x[BHG]}] ({ROLES[x[BROLE]]}), expected "
+                           f"{name}[tb{tb[j]},hg{chg[j]}]")
+        if read:
+            late = ready_at[b] >= ci
+            if late.any():
+                j = np.flatnonzero(late)[0]
+                fail(3, ci[j], f"{name} %{b[j]} is read before its receive completed")
+    # sends: the buffer holds its data, and a partial is final (no write after the send)
+    s_ = op == SEND
+    sb, si = C[s_, 3], idx[s_]
+    early = ready_at[sb] >= si
+    if early.any():
+        fail(3, si[np.flatnonzero(early)[0]], f"sends %{sb[np.flatnonzero(early)[0]]} before it holds data")
+    late = last_w[sb] > si
+    if late.any():
+        j = np.flatnonzero(late)[0]
+        fail(4, last_w[sb[j]], f"%{sb[j]} is written after it was sent (a partial must be final when sent)")
+    sent_count = np.bincount(sb, minlength=nb)
+    # merges of received partials into home blocks
+    m = (op == MERGE) | (op == ADD)
+    dst, src, mi = C[m, 1], C[m, 2], idx[m]
+    kind_ok = np.where(op[m] == MERGE, B[src, BK] == B_O, np.isin(B[src, BK], (B_DQ, B_DKV)))
+    ok = kind_ok & (B[src, BROLE] == RECVD) & (B[dst, BROLE] == HOME) & (B[dst, BK] == B[src, BK]) \
+        & (B[dst, BTB] == B[src, BTB]) & (B[dst, BHG] == B[src, BHG])
+    if not ok.all():
+        j = np.flatnonzero(~ok)[0]
+        fail(4, mi[j], f"merges %{src[j]} into %{dst[j]}: not a received partial and its home block")
+    late = ready_at[src] >= mi
+    if late.any():
+        j = np.flatnonzero(late)[0]
+        fail(3, mi[j], f"merges %{src[j]} before its receive completed")
+    merged = np.bincount(src, minlength=nb)
+    if (merged > 1).any():
+        b = np.flatnonzero(merged > 1)[0]
+        fail(4, mi[src == b][1], f"merges partial %{b} twice")
+    for b in np.flatnonzero(part & (sent_count != 1)):
+        _fail(4, f"device {d} {PHASES[phase]}: partial {KINDS[B[b, BK]]}[tb{B[b, BTB]},hg{B[b, BHG]}] (%{b}) is "
+                 f"sent {sent_count[b]} times, not once")
+    recv_partial = (B[:, BROLE] == RECVD) & np.isin(B[:, BK], (B_O, B_DQ, B_DKV))
+    for b in np.flatnonzero(recv_partial & (merged != 1)):
+        _fail(4, f"device {d} {PHASES[phase]}: received partial {KINDS[B[b, BK]]}[tb{B[b, BTB]},hg{B[b, BHG]}] "
+                 f"(%{b}) is merged {merged[b]} times")
+    for b in np.flatnonzero((B[:, BROLE] == RECVD) & (ready_at == _NEVER)):
+        _fail(5, f"device {d} {PHASES[phase]}: receive into %{b} never completes")
+
+
+def _symbolic_run(g, pl, prog, phase) -> None:
     X = prog.transfers
-    ready = [[b[BROLE] == HOME for b in bs] for bs in bufs]
-    sending = [[0] * len(bs) for bs in bufs]      # posted sends not yet waited
-    was_sent = [[False] * len(bs) for bs in bufs]
-    merged = [[0] * len(bs) for bs in bufs]
-    written = [[False] * len(bs) for bs in bufs]
-    waited = np.zeros((len(X), 2), bool)
-    pending_recv = {}
     ran = np.zeros(g.n_cb, np.int64)
-    where = {}
-
-    def fail(inv, d, i, msg):
-        _fail(inv, f"device {d} {PHASES[phase]} instruction {i}: {msg}", _context(prog, phase, d, i))
-
-    def buf(d, i, b, kinds, roles, tb=None, hg=None, need_ready=True, what=""):
-        if not 0 <= b < len(bufs[d]):
-            fail(3, d, i, f"unknown buffer %{b}")
-        r = bufs[d][b]
-        if r[BK] not in kinds or r[BROLE] not in roles or (tb is not None and r[BTB] != tb) \
-                or (hg is not None and r[BHG] != hg):
-            fail(3, d, i, f"%{b} is {KINDS[r[BK]]}[tb{r[BTB]},hg{r[BHG]}], expected {what}")
-        if need_ready and not ready[d][b]:
-            fail(3, d, i, f"{what} %{b} is read before its receive completed")
-        return r
-
-    def write(d, i, b):
-        if was_sent[d][b]:
-            fail(4, d, i, f"%{b} is written after it was sent (a partial must be final when sent)")
-        written[d][b] = True
-        ready[d][b] = True
-
-    def on(d, i, row):
-        op = row[0]
-        if op == SEND:
-            t, _, b = row[1:4]
-            if not ready[d][b]:
-                fail(3, d, i, f"sends %{b} before it holds data")
-            r = bufs[d][b]
-            if r[BROLE] == PART and not written[d][b]:
-                fail(4, d, i, f"sends partial %{b} that nothing wrote")
-            sending[d][b] += 1
-            was_sent[d][b] = True
-            where[(t, 0)] = (d, b)
-        elif op == RECV:
-            t, _, b = row[1:4]
-            if ready[d][b] or (d, b) in pending_recv.values():
-                fail(5, d, i, f"receives into %{b} twice")
-            pending_recv[t] = (d, b)
-        elif op == WAIT:
-            t = row[1]
-            side = 0 if X[t, T_SRC] == d else 1
-            if (X[t, T_SRC] if side == 0 else X[t, T_DST]) != d:
-                fail(5, d, i, f"waits on {transfer_key(prog, t)}, which is not its own")
-            if waited[t, side]:
-                fail(5, d, i, f"waits on {transfer_key(prog, t)} twice")
-            waited[t, side] = True
-            if side == 1:
-                rd, rb = pending_recv.pop(t)
-                ready[rd][rb] = True
-            else:
-                sd, sb = where[(t, 0)]
-                sending[sd][sb] -= 1
-        elif op in (ATTN, ATTN_BWD):
-            c = row[1]
-            if not 0 <= c < g.n_cb:
-                fail(2, d, i, f"unknown compute block c{c}")
-            if cdev[c] != d:
-                fail(3, d, i, f"runs c{c}, which is placed on d{cdev[c]}")
-            ran[c] += 1
-            if ran[c] > 1:
-                fail(2, d, i, f"runs c{c} a second time")
-            buf(d, i, row[2], (B_Q,), (HOME, RECVD), cq[c], chg[c], what=f"Q[tb{cq[c]},hg{chg[c]}]")
-            buf(d, i, row[3], (B_KV,), (HOME, RECVD), ck[c], chg[c], what=f"KV[tb{ck[c]},hg{chg[c]}]")
-            if op == ATTN:
-                buf(d, i, row[4], (B_O,), (HOME, PART), cq[c], chg[c], need_ready=False, what=f"O[tb{cq[c]},hg{chg[c]}]")
-                write(d, i, row[4])
-            else:
-                buf(d, i, row[4], (B_DQ,), (HOME, PART), cq[c], chg[c], need_ready=False, what=f"dQ[tb{cq[c]},hg{chg[c]}]")
-                buf(d, i, row[5], (B_DKV,), (HOME, PART), ck[c], chg[c], need_ready=False, what=f"dKV[tb{ck[c]},hg{chg[c]}]")
-                write(d, i, row[4])
-                write(d, i, row[5])
-        elif op in (MERGE, ADD):
-            dst, srcb = row[1], row[2]
-            kinds = (B_O,) if op == MERGE else (B_DQ, B_DKV)
-            s = buf(d, i, srcb, kinds, (RECVD,), what="a received partial")
-            buf(d, i, dst, (s[BK],), (HOME,), s[BTB], s[BHG], need_ready=False,
-                what=f"home {KINDS[s[BK]]}[tb{s[BTB]},hg{s[BHG]}]")
-            merged[d][srcb] += 1
-            if merged[d][srcb] > 1:
-                fail(4, d, i, f"merges partial %{srcb} twice")
-        else:
-            fail(5, d, i, f"unknown opcode {op}")
-
-    try:
-        cooperate(prog, phase, on)
-    except DeadlockError as e:
-        raise VerifyError(f"invariant 5: {e}") from None
+    waited = np.zeros((len(X), 2), bool)
+    for d in range(prog.devices):
+        _check_device(g, pl, prog, phase, d, ran, waited)
     missing = np.flatnonzero(ran != 1)
     if len(missing):
         c = missing[0]
-        _fail(2, f"compute block c{c} (q=tb{cq[c]}, kv=tb{ck[c]}, hg{chg[c]}) on d{cdev[c]} never runs in "
-              f"{PHASES[phase]}")
-    ph = np.flatnonzero(X[:, T_PHASE] == phase) if len(X) else []
-    for t in ph:
+        _fail(2, f"compute block c{c} (q=tb{g.cb_q[c]}, kv=tb{g.cb_k[c]}, hg{g.cb_hg[c]}) on "
+                 f"d{pl.cb_device[c]} never runs in {PHASES[phase]}")
+    for t in (np.flatnonzero(X[:, T_PHASE] == phase) if len(X) else []):
         if not waited[t].all():
             side = "sender" if not waited[t, 0] else "receiver"
             _fail(5, f"{transfer_key(prog, t)}: the {side} never waits on it")
-    for d, bs in enumerate(bufs):
-        for b, r in enumerate(bs):
-            if r[BROLE] == PART and not was_sent[d][b]:
-                _fail(4, f"device {d} {PHASES[phase]}: partial {KINDS[r[BK]]}[tb{r[BTB]},hg{r[BHG]}] (%{b}) is never sent home")
-            if r[BROLE] == RECVD and r[BK] in (B_O, B_DQ, B_DKV) and merged[d][b] != 1:
-                _fail(4, f"device {d} {PHASES[phase]}: received partial {KINDS[r[BK]]}[tb{r[BTB]},hg{r[BHG]}] "
-                      f"(%{b}) is merged {merged[d][b]} times")
-            if r[BROLE] == RECVD and not ready[d][b]:
-                _fail(5, f"device {d} {PHASES[phase]}: receive into %{b} never completes")
+    # deadlock freedom: only sends, receives and waits can block or unblock
+    comm = [c[np.isin(c[:, 0], (RECV, SEND, WAIT))] for c in prog.code[phase]]
+    try:
+        cooperate(prog, phase, lambda d, i, row: None, code=comm)
+    except DeadlockError as e:
+        raise VerifyError(f"invariant 5: {e}") from None
 
 
 def verify(ir: PlanIR, done: set | None = None) -> None:

@@ -13,8 +13,11 @@ from ..ir.mask import K0, Q0
 from .executor import execute
 from .reference import dense_allowed, dense_attention
 
-# max abs error / max(1, max |reference|), per dtype (bf16 carries 8 mantissa bits)
-TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+# max abs error / max(1, max |reference|), per dtype and tensor. bf16 keeps 8
+# mantissa bits; its gradients also carry the op's own bf16 backward error
+# (about 1e-2 relative on a single untiled call) plus one bf16 rounding per tile.
+TOLERANCE = {"float32": {"out": 1e-5, "dq": 1e-5, "dk": 1e-5, "dv": 1e-5},
+             "bfloat16": {"out": 1e-2, "dq": 4e-2, "dk": 4e-2, "dv": 4e-2}}
 MAX_CHECK_SAMPLE = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,7 +38,7 @@ def run_plan(plan, dtype: str = "float32", seed: int = 0):
     """Forward and backward on random inputs; returns (out, dq, dk, dv, inputs)."""
     q, k, v, dout = random_inputs(plan, dtype, seed)
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
-    out = execute(plan, q, k, v)
+    out = execute(plan.ir, q, k, v)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     return out.detach(), dq, dk, dv, (q.detach(), k.detach(), v.detach(), dout)
 
@@ -71,13 +74,12 @@ def check_plan(plan, dtype: str = "float32", seed: int = 0) -> dict:
     out, dq, dk, dv, (q, k, v, dout) = run_plan(plan, dtype, seed)
     scale = 1.0 / math.sqrt(plan.problem.head_dim)
     ref_out, (rq, rk, rv) = reference(plan.problem, q, k, v, dout, scale)
-    tol = TOLERANCE[dtype]
     res = {"tol": {}, "ok": True}
     for name, got, want in (("out", out, ref_out), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
         err = float((got.to(torch.float64) - want).abs().max()) if want.numel() else 0.0
         err /= max(1.0, float(want.abs().max()) if want.numel() else 1.0)
         finite = bool(torch.isfinite(got).all())
         res[name] = err if finite else float("inf")
-        res["tol"][name] = tol
-        res["ok"] &= finite and err <= tol
+        res["tol"][name] = TOLERANCE[dtype][name]
+        res["ok"] &= finite and err <= TOLERANCE[dtype][name]
     return res
