@@ -126,7 +126,8 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     if memory_cap is not None:
         memory_cap = _positive_int("memory_cap", memory_cap)
     get_profile(profile)
-    if pipeline is None:
+    named = pipeline is None
+    if named:
         if strategy not in STRATEGIES:
             raise PlanError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
         pipeline = default_pipeline(strategy, block_size)
@@ -143,7 +144,7 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
                       instruments=tuple(instruments))
     if ir.program is None:
         raise PlanError(f"pipeline {pipeline!r} does not end in a program; add 'emit'")
-    meta = {"pipeline": ",".join(p.spec() for p in passes), "strategy": strategy if pipeline else "",
+    meta = {"pipeline": ",".join(p.spec() for p in passes), "strategy": strategy if named else "",
             "block_size": block_size, "profile": profile}
     return Plan(ir, meta, {"plan_s": time.perf_counter() - t0})
 

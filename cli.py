@@ -89,7 +89,10 @@ def _cmd_compile(args) -> int:
                         block_size=args.block_size, pipeline=args.pipeline, dtype=args.dtype,
                         memory_cap=args.memory_cap, verify=not args.no_verify, profile=args.profile,
                         instruments=(show,) if args.verbose else ())
-    plan.save(args.output)
+    try:
+        plan.save(args.output)
+    except OSError as e:
+        raise PlanError(f"{args.output}: cannot write plan file: {e.strerror or e}") from None
     s = plan.stats()
     print(f"wrote {args.output}: {s['devices']} devices, {s['tokens']} tokens, compute imbalance "
           f"{s['compute_imbalance']:.3f}, comm {s['comm_bytes_total'] / 1e6:.2f} MB, predicted "

@@ -15,32 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.graph import BlockGraph
 from ..ir.module import PlanIR
 from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, HOME, MERGE, PART, RECV,
-                          RECVD, SEND, WAIT, Program)
+                          RECVD, SEND, WAIT, Program, buffer_bytes)
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XTB
 from ..passes.base import Pass, register
-
-
-def block_bytes(g: BlockGraph, phase: int, kind: int, tb, hg) -> np.ndarray:
-    """Bytes of a buffer of ``kind`` for token blocks ``tb`` and head groups ``hg``."""
-    p = g.problem
-    rows = g.tb_len[tb]
-    hkv = g.hg_end[hg] - g.hg_start[hg]
-    hq = hkv * p.group
-    d, es = p.head_dim, p.dtype_bytes
-    if kind == B_Q:
-        per = hq * d * es if phase == FWD else hq * (3 * d * es + 4)
-    elif kind == B_KV:
-        per = 2 * hkv * d * es
-    elif kind == B_O:
-        per = hq * (4 * d + 4)
-    elif kind == B_DQ:
-        per = hq * d * 4
-    else:
-        per = 2 * hkv * d * 4
-    return (rows * per).astype(np.int64)
 
 
 def transfer_table(ir: PlanIR) -> np.ndarray:
@@ -53,7 +32,7 @@ def transfer_table(ir: PlanIR) -> np.ndarray:
     for phase, items in ((FWD, fwd), (BWD, bwd)):
         for kind, rows, reverse in items:
             src, dst = (rows[:, XDST], rows[:, XSRC]) if reverse else (rows[:, XSRC], rows[:, XDST])
-            nbytes = block_bytes(g, phase, kind, rows[:, XTB], rows[:, XHG])
+            nbytes = buffer_bytes(g, phase, kind, rows[:, XTB], rows[:, XHG])
             parts.append(np.column_stack([np.full(len(rows), phase), np.full(len(rows), kind), rows[:, XTB],
                                           rows[:, XHG], src, dst, nbytes]))
     t = np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 7), np.int64)
@@ -76,7 +55,7 @@ def _emit_device(ir: PlanIR, X: np.ndarray, phase: int, d: int):
     for kind in kinds:
         tbs = np.repeat(mine, g.n_hg)
         hgs = np.tile(np.arange(g.n_hg), len(mine))
-        for tb, hg, nb in zip(tbs.tolist(), hgs.tolist(), block_bytes(g, phase, kind, tbs, hgs).tolist()):
+        for tb, hg, nb in zip(tbs.tolist(), hgs.tolist(), buffer_bytes(g, phase, kind, tbs, hgs).tolist()):
             add(kind, tb, hg, HOME, -1, nb)
     code: list[list[int]] = []
     ph = X[X[:, 1] == phase]
@@ -114,7 +93,7 @@ def _emit_device(ir: PlanIR, X: np.ndarray, phase: int, d: int):
             role = HOME if home[tb] == d else PART
             key = (kind, tb, h, role)
             if key not in index:
-                add(kind, tb, h, role, -1, block_bytes(g, phase, kind, np.array([tb]), np.array([h]))[0])
+                add(kind, tb, h, role, -1, buffer_bytes(g, phase, kind, np.array([tb]), np.array([h]))[0])
             outs.append(index[key])
         if phase == FWD:
             rows.append([ATTN, c, qb, kb, outs[0], 0])

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 
 from ..errors import AttnplanError, PlanFileError
+from ..frontend.batch import _check_segments
 from ..ir.graph import BlockGraph
 from ..ir.mask import Pieces
 from ..ir.module import PlanIR
@@ -95,11 +96,13 @@ def unpack(data: bytes, source: str = "<bytes>", check: bool = True) -> tuple[Pl
         if not data.startswith(MAGIC[:len(data)]) or not data:
             raise PlanFileError(f"{source}: not an attnplan plan file")
         raise PlanFileError(f"{source}: truncated plan file ({len(data)} bytes, header needs {_HEADER.size})")
-    magic, version, _flags, length, digest = _HEADER.unpack_from(data)
+    magic, version, flags, length, digest = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise PlanFileError(f"{source}: not an attnplan plan file (bad magic)")
     if version != FORMAT_VERSION:
         raise PlanFileError(f"{source}: plan file format version {version}; this attnplan reads version {FORMAT_VERSION}")
+    if flags != 0:  # no flags are defined: the header (not covered by the checksum) was altered
+        raise PlanFileError(f"{source}: plan file header has unknown flags {flags:#06x}")
     raw = data[_HEADER.size:]
     if len(raw) != length:
         kind = "truncated" if len(raw) < length else "has trailing bytes"
@@ -118,25 +121,47 @@ def unpack(data: bytes, source: str = "<bytes>", check: bool = True) -> tuple[Pl
         raise PlanFileError(f"{source}: malformed plan file: {e}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
         raise PlanFileError(f"{source}: malformed plan file: {e}") from None
+    meta, measured = body.get("meta", {}), body.get("measured", {})
+    _check_meta(meta, measured, source)
     if check:
         try:
             verify(ir)
         except AttnplanError as e:
             raise PlanFileError(f"{source}: plan does not verify: {e}") from None
-    return ir, body.get("meta", {}), body.get("measured", {})
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+            # the verifier assumes well-formed arrays (right rank, ids in range); a crafted body can break that
+            raise PlanFileError(f"{source}: plan does not verify: malformed arrays "
+                                f"({type(e).__name__}: {e})") from None
+    return ir, meta, measured
+
+
+_META_TYPES = {"pipeline": str, "strategy": str, "profile": str, "block_size": int}
+
+
+def _check_meta(meta, measured, source: str) -> None:
+    """``meta`` and ``measured`` are used as they are by ``Plan.stats``; check their shape here."""
+    if not isinstance(meta, dict) or not isinstance(measured, dict):
+        raise PlanFileError(f"{source}: malformed plan file: meta and measured must be maps")
+    for key, typ in _META_TYPES.items():
+        if key in meta and (not isinstance(meta[key], typ) or isinstance(meta[key], bool)):
+            raise PlanFileError(f"{source}: malformed plan file: meta.{key} must be {typ.__name__}")
+    for key, v in measured.items():
+        if not isinstance(key, str) or not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise PlanFileError(f"{source}: malformed plan file: measured.{key} must be a number")
 
 
 def _from_body(body) -> PlanIR:
     if not isinstance(body, dict):
         raise PlanFileError("malformed plan file: body is not a map")
     pb = _get(body, "problem", dict, "body")
+    seqlens = _unarr(_get(pb, "seqlens", dict, "problem"), "problem.seqlens")
     segs = pb.get("segments")
-    segments = tuple(tuple((str(k), int(n)) for k, n in s) if s is not None else None for s in segs) \
-        if segs is not None else None
+    # one entry per sample, each null or [[kind, length], ...] summing to the sample length (BatchError otherwise)
+    segments = _check_segments(segs, seqlens.tolist(), "problem.") if segs is not None else None
     pieces = _unarr(_get(pb, "pieces", dict, "problem"), "problem.pieces")
     if pieces.ndim != 2 or pieces.shape[1] != 6:
         raise PlanFileError("malformed plan file: problem.pieces must be [n, 6]")
-    problem = Problem(seqlens=_unarr(_get(pb, "seqlens", dict, "problem"), "problem.seqlens"),
+    problem = Problem(seqlens=seqlens,
                       heads=_get(pb, "heads", int, "problem"), kv_heads=_get(pb, "kv_heads", int, "problem"),
                       head_dim=_get(pb, "head_dim", int, "problem"), pieces=Pieces(pieces),
                       mask=_get(pb, "mask", str, "problem"), segments=segments,
@@ -161,5 +186,7 @@ def _from_body(body) -> PlanIR:
                       tuple(tuple(_unarr(b, "program.buffers") for b in ph) for ph in bufs),
                       tuple(tuple(_unarr(c, "program.code") for c in ph) for ph in code))
     cap = body.get("memory_cap")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
+        raise PlanFileError("malformed plan file: memory_cap must be null or a positive integer")
     return PlanIR(problem=problem, devices=devices, nodes=nodes, memory_cap=cap, graph=graph,
                   placement=placement, schedule=schedule, program=program)

@@ -47,6 +47,28 @@ T_TAG, T_PHASE, T_KIND, T_TB, T_HG, T_SRC, T_DST, T_BYTES = range(8)
 BK, BTB, BHG, BROLE, BPEER, BBYTES = range(6)
 
 
+def buffer_bytes(g, phase: int, kind: int, tb, hg) -> np.ndarray:
+    """Bytes of buffers of ``kind`` for token blocks ``tb`` and head groups ``hg`` of the
+    BlockGraph ``g``: Q/KV in the problem dtype, O/dQ/dKV and lse in fp32; the
+    backward Q bundle is (q, out, dout, lse)."""
+    p = g.problem
+    rows = g.tb_len[tb]
+    hkv = g.hg_end[hg] - g.hg_start[hg]
+    hq = hkv * p.group
+    d, es = p.head_dim, p.dtype_bytes
+    if kind == B_Q:
+        per = hq * d * es if phase == FWD else hq * (3 * d * es + 4)
+    elif kind == B_KV:
+        per = 2 * hkv * d * es
+    elif kind == B_O:
+        per = hq * (4 * d + 4)
+    elif kind == B_DQ:
+        per = hq * d * 4
+    else:
+        per = 2 * hkv * d * 4
+    return (rows * per).astype(np.int64)
+
+
 def _frozen(a) -> np.ndarray:
     a = np.ascontiguousarray(np.asarray(a, dtype=np.int64))
     a.setflags(write=False)

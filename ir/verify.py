@@ -33,7 +33,8 @@ from .placement import Placement
 from .problem import Problem
 from .program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BHG, BK, BPEER, BROLE, BTB, BBYTES, BWD,
                       FWD, HOME, KINDS, MERGE, PART, PHASES, RECV, RECVD, SEND, T_BYTES, T_DST, T_HG, T_KIND,
-                      T_PHASE, T_SRC, T_TAG, T_TB, WAIT, ROLES, Program, format_instr)
+                      T_PHASE, T_SRC, T_TAG, T_TB, WAIT, ROLES, N_OPERANDS, Program, buffer_bytes,
+                      format_instr)
 from .schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XTB, Schedule
 
 
@@ -179,6 +180,7 @@ def verify_program(g: BlockGraph, pl: Placement, prog: Program, memory_cap: int 
         _fail(5, "a transfer has a bad source or destination")
     for phase in (FWD, BWD):
         bufs = [b.tolist() for b in prog.buffers[phase]]
+        _check_tables(g, prog, phase)
         # 6: memory
         for d in range(prog.devices):
             total = int(prog.buffers[phase][d][:, BBYTES].sum())
@@ -225,6 +227,37 @@ def verify_program(g: BlockGraph, pl: Placement, prog: Program, memory_cap: int 
 
 
 _NEVER = np.iinfo(np.int64).max
+
+
+def _check_tables(g, prog, phase) -> None:
+    """Buffer rows name real blocks and have their canonical sizes; unused
+    operand columns are zero (so the text form is complete)."""
+    for d in range(prog.devices):
+        B, C = prog.buffers[phase][d], prog.code[phase][d]
+        if len(B):
+            if ((B[:, BK] < 0) | (B[:, BK] > B_DKV) | (B[:, BTB] < 0) | (B[:, BTB] >= g.n_tb) | (B[:, BHG] < 0)
+                    | (B[:, BHG] >= g.n_hg) | (B[:, BROLE] < 0) | (B[:, BROLE] > PART)).any():
+                _fail(5, f"device {d} {PHASES[phase]}: a buffer names a block kind, token block or head group "
+                         f"that does not exist")
+            want = np.zeros(len(B), np.int64)
+            for kind in np.unique(B[:, BK]):
+                sel = B[:, BK] == kind
+                want[sel] = buffer_bytes(g, phase, int(kind), B[sel, BTB], B[sel, BHG])
+            bad = np.flatnonzero((want != B[:, BBYTES]) | ((B[:, BROLE] != RECVD) & (B[:, BPEER] != -1)))
+            if len(bad):
+                b = bad[0]
+                _fail(5, f"device {d} {PHASES[phase]}: buffer %{b} has {B[b, BBYTES]} bytes (expected {want[b]}) "
+                         f"or a peer it cannot have")
+        if len(C):
+            ops = C[:, 0]
+            if ((ops < 0) | (ops > ADD)).any():
+                i = int(np.flatnonzero((ops < 0) | (ops > ADD))[0])
+                _fail(5, f"device {d} {PHASES[phase]} instruction {i}: unknown opcode {C[i, 0]}")
+            used = np.array(N_OPERANDS)[ops]
+            junk = (C[:, 1:] != 0) & (np.arange(1, 6)[None, :] > used[:, None])
+            if junk.any():
+                i = int(np.flatnonzero(junk.any(1))[0])
+                _fail(5, f"device {d} {PHASES[phase]} instruction {i}: operands beyond its arity are not zero")
 
 
 def _check_device(g, pl, prog, phase, d, ran, waited) -> None:

@@ -94,13 +94,13 @@ def check(case, dtype):
     return plan, out, grads
 
 
-@settings(max_examples=60)
+@settings(max_examples=250)
 @given(cases())
 def test_execute_equals_dense_fp32(case):
     check(case, "float32")
 
 
-@settings(max_examples=15)
+@settings(max_examples=60)
 @given(cases(max_tokens=96))
 def test_execute_equals_dense_bf16(case):
     check(case, "bfloat16")
