@@ -512,6 +512,7 @@ def test_load_batch_json_and_jsonl(tmp_path):
         load_batch(f"{g}:c")
 
 
+@pytest.mark.skipif(not SHARED_BATCHES.exists(), reason="../shared/workloads/batches.jsonl is not beside this checkout")
 def test_shared_batches_load_by_name():
     spec = os.path.relpath(SHARED_BATCHES, ROOT)
     assert spec == os.path.join("..", "shared", "workloads", "batches.jsonl")
