@@ -160,3 +160,25 @@ def test_compute_on_wrong_device(plan):
     bad = dataclasses.replace(pl, cb_device=cbd)
     with pytest.raises(VerifyError, match="invariant 3"):
         verify(plan.ir.replace(placement=bad))
+
+
+def test_executor_reports_deadlock(plan):
+    """An unverified program whose wait precedes its receive: the in-process
+    runtime stops with DeadlockError naming the device and the transfer."""
+    import torch
+
+    from attnplan.runtime.executor import execute
+
+    ir = plan.ir
+    d = device_with(ir, FWD, RECV)
+    rows = rows_of(ir, FWD, d)
+    r = next(i for i, x in enumerate(rows) if x[0] == RECV)
+    tag = rows[r][1]
+    w = next(i for i, x in enumerate(rows) if x[0] == WAIT and x[1] == tag)
+    rows.insert(r, rows.pop(w))
+    bad = with_code(ir, FWD, d, rows)
+    p = ir.problem
+    q = torch.randn(p.tokens, p.heads, p.head_dim)
+    kv = torch.randn(p.tokens, p.kv_heads, p.head_dim)
+    with pytest.raises(attnplan.DeadlockError, match=rf"device {d} waits on t{tag} fwd"):
+        execute(bad, q, kv, kv)
