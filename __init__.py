@@ -6,10 +6,12 @@
     plan.stats(); plan.save("x.plan"); attnplan.load("x.plan")
 """
 
-from .api import STRATEGIES, Plan, compile, execute, load
+from .api import Plan, compile, execute, load
 from .errors import (AttnplanError, BatchError, DeadlockError, MaskError, PlanError, PlanFileError, ShapeError,
                      VerifyError)
 
+from .passes import strategies
+
 __version__ = "0.1.0"
-__all__ = ["compile", "execute", "load", "Plan", "STRATEGIES", "AttnplanError", "BatchError", "DeadlockError",
+__all__ = ["compile", "execute", "load", "Plan", "strategies", "AttnplanError", "BatchError", "DeadlockError",
            "MaskError", "PlanError", "PlanFileError", "ShapeError", "VerifyError"]

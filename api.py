@@ -12,7 +12,6 @@ from .errors import BatchError, PlanError, PlanFileError
 from .ir.module import PlanIR
 from .ir.problem import Problem
 
-STRATEGIES = ("zigzag",)
 
 
 def default_pipeline(strategy: str, block_size: int) -> str:
@@ -111,7 +110,7 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     from . import backends  # noqa: F401  (registers emit)
     from .backends.cost import get_profile
     from .frontend import MaskProgram, load_mask, lower_batch
-    from .passes import parse_pipeline, run_pipeline
+    from .passes import parse_pipeline, run_pipeline, strategies
 
     t0 = time.perf_counter()
     lens = _seqlens(seqlens)
@@ -128,8 +127,8 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     get_profile(profile)
     named = pipeline is None
     if named:
-        if strategy not in STRATEGIES:
-            raise PlanError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+        if strategy not in strategies():
+            raise PlanError(f"unknown strategy {strategy!r}; known: {', '.join(strategies())}")
         pipeline = default_pipeline(strategy, block_size)
     passes = parse_pipeline(pipeline)
     if segments is not None:

@@ -72,8 +72,13 @@ def cb_seconds(graph, prof: Profile) -> np.ndarray:
     return prof.launch_s + flops / prof.flops
 
 
-def simulate(ir, prof: Profile) -> dict:
-    """Per-device finish times and busy compute seconds of each phase, and the makespan."""
+def simulate(ir, prof: Profile, record: bool = False) -> dict:
+    """Per-device finish times and busy compute seconds of each phase, and the makespan.
+
+    With ``record``, each phase also has ``events``: ``compute`` rows
+    ``(device, start, end, cb)`` (merges/adds have cb = -1), ``transfer`` rows
+    ``(tag, src, dst, start, end)`` and ``wait`` rows ``(device, start, end,
+    tag)`` for every wait that left the device idle; times in seconds."""
     g, pl, prog = ir.graph, ir.placement, ir.program
     fwd_cost = cb_seconds(g, prof)
     node = np.arange(prog.devices) // pl.devices_per_node
@@ -90,6 +95,7 @@ def simulate(ir, prof: Profile) -> dict:
         link_free = [0.0] * prog.devices
         bufbytes = [b[:, BBYTES].tolist() for b in prog.buffers[phase]]
         cost = (fwd_cost * factor).tolist()
+        ev_c, ev_t, ev_w = [], [], []
 
         def on(d, i, row):
             op = row[0]
@@ -101,18 +107,32 @@ def simulate(ir, prof: Profile) -> dict:
                     start = max(max(posted[t]), link_free[src[t]])
                     end[t] = start + dur[t]
                     link_free[src[t]] = end[t]
+                    if record:
+                        ev_t.append((t, src[t], dst[t], start, end[t]))
+                if record and end[t] > clock[d]:
+                    ev_w.append((d, clock[d], end[t], t))
                 clock[d] = max(clock[d], end[t])
             elif op in (ATTN, ATTN_BWD):
+                if record:
+                    ev_c.append((d, clock[d], clock[d] + cost[row[1]], row[1]))
                 clock[d] += cost[row[1]]
                 busy[d] += cost[row[1]]
             elif op in (MERGE, ADD):
                 dt = bufbytes[d][row[2]] * 3 / prof.mem_bw
+                if record:
+                    ev_c.append((d, clock[d], clock[d] + dt, -1))
                 clock[d] += dt
                 busy[d] += dt
 
         cooperate(prog, phase, on)
         name = "fwd" if phase == FWD else "bwd"
         result[name] = {"finish_s": clock, "compute_s": busy, "makespan_s": max(clock) if clock else 0.0}
+        if record:
+            result[name]["events"] = {
+                "compute": np.asarray(ev_c, float).reshape(-1, 4),
+                "transfer": np.asarray(ev_t, float).reshape(-1, 5),
+                "wait": np.asarray(ev_w, float).reshape(-1, 4),
+            }
     result["predicted_s"] = result["fwd"]["makespan_s"] + result["bwd"]["makespan_s"]
     result["profile"] = asdict(prof)
     return result

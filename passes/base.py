@@ -21,6 +21,7 @@ REGISTRY: dict[str, type] = {}
 class Pass:
     name: ClassVar[str] = ""
     needs: ClassVar[tuple[str, ...]] = ()  # IR levels that must exist before apply
+    strategy: ClassVar[bool] = False       # a placement strategy (usable as --strategy NAME)
 
     def apply(self, ir: PlanIR) -> PlanIR:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -33,6 +34,11 @@ class Pass:
 def register(cls):
     REGISTRY[cls.name] = cls
     return cls
+
+
+def strategies() -> tuple[str, ...]:
+    """Names of the registered placement strategies."""
+    return tuple(sorted(n for n, c in REGISTRY.items() if c.strategy))
 
 
 def _convert(pass_name: str, field: dataclasses.Field, text: str):

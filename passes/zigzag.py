@@ -24,6 +24,7 @@ def chunk_bounds(tokens: int, chunks: int) -> np.ndarray:
 class Zigzag(Pass):
     name = "zigzag"
     needs = ("graph",)
+    strategy = True
 
     def apply(self, ir: PlanIR) -> PlanIR:
         g, n = ir.graph, ir.devices
