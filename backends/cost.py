@@ -60,14 +60,22 @@ def get_profile(name: str) -> Profile:
     return PROFILES[name]
 
 
-def cb_seconds(graph, prof: Profile) -> np.ndarray:
-    """Forward seconds of every compute block (tile rounding, launch overhead)."""
+def rounded_pairs(graph, tile_q: int) -> np.ndarray:
+    """Per tile: allowed pairs with each piece's query rows rounded up to the
+    kernel's ``tile_q`` (the work a tiled kernel really does)."""
     P = graph.pieces
     if len(P) == 0:
-        return np.zeros(graph.n_cb)
+        return np.zeros(graph.n_tile)
     rows = P[:, Q1] - P[:, Q0]
-    rounded = piece_counts(P) * (-(-rows // prof.tile_q) * prof.tile_q) / rows
-    tile = np.add.reduceat(rounded, graph.tile_ptr[:-1])
+    rounded = piece_counts(P) * (-(-rows // tile_q) * tile_q) / rows
+    return np.add.reduceat(rounded, graph.tile_ptr[:-1])
+
+
+def cb_seconds(graph, prof: Profile) -> np.ndarray:
+    """Forward seconds of every compute block (tile rounding, launch overhead)."""
+    if graph.n_tile == 0:
+        return np.zeros(graph.n_cb)
+    tile = rounded_pairs(graph, prof.tile_q)
     flops = 4.0 * graph.problem.head_dim * tile[graph.cb_tile] * graph.hg_heads[graph.cb_hg]
     return prof.launch_s + flops / prof.flops
 

@@ -9,6 +9,8 @@
   peak): perfect balance, no exposed communication, same profile as
   ``predicted_s`` so that predicted / lower bound = 1 means perfect.
 * predicted_s: simulated forward + backward makespan (see ``cost``).
+* kernel_work_ratio: work with every piece's query rows rounded up to the
+  kernel tile (128 rows on GPUs) over exact work — what short blocks waste.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.program import BBYTES, BWD, FWD, T_BYTES, T_DST, T_PHASE, T_SRC
-from .cost import get_profile, simulate
+from .cost import get_profile, rounded_pairs, simulate
 
 
 def _imbalance(x: np.ndarray) -> float:
@@ -60,6 +62,7 @@ def compute_stats(ir, plan_s: float = 0.0, profile: str = "h100") -> dict:
         "predicted_fwd_s": sim["fwd"]["makespan_s"],
         "predicted_bwd_s": sim["bwd"]["makespan_s"],
         "predicted_over_lower_bound": sim["predicted_s"] / lower if lower > 0 else 1.0,
+        "kernel_work_ratio": float((rounded_pairs(g, 128)[g.cb_tile] * g.hg_heads[g.cb_hg]).sum() / max(1, pairs.sum())),
         "profile": profile,
         "plan_s": plan_s,
         "token_blocks": g.n_tb,
