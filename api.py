@@ -16,11 +16,13 @@ from .ir.problem import Problem
 
 def default_pipeline(strategy: str, block_size: int) -> str:
     """The default pipeline, one named step a line."""
+    from .passes import REGISTRY
     return ",".join([
-        f"tile{{block={block_size}}}",  # cut samples into token blocks, build the block graph
-        strategy,                      # placement: token block homes, compute block devices
-        "comm",                        # transfers each device needs, single-stage schedule
-        "emit",                        # per-device instruction streams, forward and backward
+        f"tile{{block={block_size}}}",                         # token blocks per sample, the block graph
+        strategy,                                             # placement: token homes, compute devices
+        f"comm{{mode={REGISTRY[strategy].default_comm}}}",   # transfers (p2p, or ring for zigzag)
+        "overlap",                                            # next stage's transfers fly during compute
+        "emit",                                               # per-device instruction streams, fwd + bwd
     ])
 
 

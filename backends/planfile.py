@@ -63,7 +63,7 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
         "devices": ir.devices, "nodes": ir.nodes, "memory_cap": ir.memory_cap,
         "graph": {f: _arr(getattr(g, f)) for f in BlockGraph.__dataclass_fields__ if f != "problem"},
         "placement": {"home": _arr(pl.home), "cb_device": _arr(pl.cb_device)},
-        "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer)},
+        "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap},
         "program": {"transfers": _arr(prog.transfers),
                     "buffers": [[_arr(b) for b in ph] for ph in prog.buffers],
                     "code": [[_arr(c) for c in ph] for ph in prog.code]},
@@ -177,7 +177,8 @@ def _from_body(body) -> PlanIR:
                           _unarr(_get(plb, "cb_device", dict, "placement"), "placement.cb_device"))
     sb = _get(body, "schedule", dict, "body")
     schedule = Schedule(_get(sb, "stages", int, "schedule"), _unarr(_get(sb, "cb_stage", dict, "schedule"), "cb_stage"),
-                        _unarr(_get(sb, "xfer", dict, "schedule"), "schedule.xfer").reshape(-1, 6))
+                        _unarr(_get(sb, "xfer", dict, "schedule"), "schedule.xfer").reshape(-1, 6),
+                        _get(sb, "overlap", bool, "schedule"))
     pr = _get(body, "program", dict, "body")
     bufs, code = _get(pr, "buffers", list, "program"), _get(pr, "code", list, "program")
     if len(bufs) != 2 or len(code) != 2 or any(len(ph) != devices for ph in bufs + code):

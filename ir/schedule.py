@@ -25,13 +25,14 @@ class Schedule:
     stages: int
     cb_stage: np.ndarray
     xfer: np.ndarray
+    overlap: bool = False  # post stage s+1 transfers during stage s; send partials when final
 
     def __post_init__(self):
         self.cb_stage.setflags(write=False)
         self.xfer.setflags(write=False)
 
     def to_text(self, limit: int = 40) -> str:
-        lines = [f"schedule stages={self.stages} transfers={len(self.xfer)}"]
+        lines = [f"schedule stages={self.stages} transfers={len(self.xfer)} overlap={self.overlap}"]
         for k, tb, hg, s, d, st in self.xfer[:limit].tolist():
             lines.append(f"  stage {st}: {XFER_KIND_NAMES[k]}[tb{tb},hg{hg}] d{s} -> d{d}")
         if len(self.xfer) > limit:

@@ -35,7 +35,7 @@ from .program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BHG, BK,
                       FWD, HOME, KINDS, MERGE, PART, PHASES, RECV, RECVD, SEND, T_BYTES, T_DST, T_HG, T_KIND,
                       T_PHASE, T_SRC, T_TAG, T_TB, WAIT, ROLES, N_OPERANDS, Program, buffer_bytes,
                       format_instr)
-from .schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XTB, Schedule
+from .schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, Schedule
 
 
 def _fail(inv: int, msg: str, context: str = "") -> None:
@@ -140,24 +140,73 @@ def needed_transfers(g: BlockGraph, pl: Placement) -> dict[int, np.ndarray]:
     return out
 
 
+def _keys(tb, hg, dev, g: BlockGraph, devices: int) -> np.ndarray:
+    return (np.asarray(tb) * g.n_hg + np.asarray(hg)) * devices + np.asarray(dev)
+
+
 def verify_schedule(g: BlockGraph, pl: Placement, s: Schedule) -> None:
+    """Q and KV reach every device that computes with them, once, in time;
+    a block is forwarded only by a device that received it in an earlier
+    stage; partial outputs go from each computing device to the home."""
     if len(s.cb_stage) != g.n_cb or (s.cb_stage < 0).any() or (s.cb_stage >= s.stages).any():
         _fail(3, "schedule stages do not match the compute blocks")
+    x = s.xfer
+    if len(x) and ((x[:, XSRC] < 0).any() or (x[:, XSRC] >= pl.devices).any() or (x[:, XDST] < 0).any()
+                   or (x[:, XDST] >= pl.devices).any() or (x[:, XTB] < 0).any() or (x[:, XTB] >= g.n_tb).any()
+                   or (x[:, XHG] < 0).any() or (x[:, XHG] >= g.n_hg).any() or (x[:, XSRC] == x[:, XDST]).any()
+                   or (x[:, XSTAGE] < 0).any() or (x[:, XSTAGE] >= s.stages).any()):
+        _fail(3, "a scheduled transfer names a block, device or stage that does not exist")
     need = needed_transfers(g, pl)
-    for kind, name in ((X_Q, "Q"), (X_KV, "KV"), (X_O, "partial O")):
-        have = s.xfer[s.xfer[:, XK] == kind][:, [XTB, XHG, XSRC, XDST]]
-        hv = np.unique(have, axis=0) if len(have) else have.reshape(0, 4)
-        if len(hv) != len(have):
-            _fail(3, f"a {name} transfer is scheduled twice")
-        want = {tuple(r) for r in need[kind].tolist()}
-        got = {tuple(r) for r in hv.tolist()}
-        if want - got:
-            tb, hg, src, dst = sorted(want - got)[0]
-            _fail(3 if kind != X_O else 4, f"{name} of tb{tb} hg{hg} is needed on d{dst} but no transfer "
-                  f"d{src}->d{dst} is scheduled")
-        if got - want:
-            tb, hg, src, dst = sorted(got - want)[0]
-            _fail(3, f"{name} transfer of tb{tb} hg{hg} d{src}->d{dst} is not needed")
+    n = pl.devices
+    for kind, name, cb_tb in ((X_Q, "Q", g.cb_q), (X_KV, "KV", g.cb_k)):
+        rows = x[x[:, XK] == kind]
+        tb, hg, src, dst, stage = rows[:, XTB], rows[:, XHG], rows[:, XSRC], rows[:, XDST], rows[:, XSTAGE]
+        home = pl.home[tb]
+        if (dst == home).any():
+            i = np.flatnonzero(dst == home)[0]
+            _fail(3, f"{name}[tb{tb[i]},hg{hg[i]}] is sent to its own home d{dst[i]}")
+        key = _keys(tb, hg, dst, g, n)
+        order = np.argsort(key, kind="stable")
+        skey = key[order]
+        dup = np.flatnonzero(np.diff(skey) == 0)
+        if len(dup):
+            i = order[dup[0]]
+            _fail(3, f"{name}[tb{tb[i]},hg{hg[i]}] is delivered to d{dst[i]} twice")
+
+        def arrival(k):
+            pos = np.clip(np.searchsorted(skey, k), 0, max(0, len(skey) - 1))
+            found = (skey[pos] == k) if len(skey) else np.zeros(len(k), bool)
+            return np.where(found, stage[order][pos] if len(skey) else 0, -1), found
+
+        fwd = src != home
+        arr, found = arrival(_keys(tb[fwd], hg[fwd], src[fwd], g, n))
+        bad = np.flatnonzero(~found | (arr >= stage[fwd]))
+        if len(bad):
+            i = np.flatnonzero(fwd)[bad[0]]
+            _fail(3, f"d{src[i]} forwards {name}[tb{tb[i]},hg{hg[i]}] in stage {stage[i]} without holding it "
+                     f"(it is not home there and does not arrive in an earlier stage)")
+        # every compute block's remote input arrives by its stage
+        remote = pl.home[cb_tb] != pl.cb_device
+        k = _keys(cb_tb[remote], g.cb_hg[remote], pl.cb_device[remote], g, n)
+        arr, found = arrival(k)
+        late = np.flatnonzero(~found | (arr > s.cb_stage[remote]))
+        if len(late):
+            c = np.flatnonzero(remote)[late[0]]
+            what = "never arrives" if not found[late[0]] else f"arrives in stage {arr[late[0]]}"
+            _fail(3, f"{name}[tb{cb_tb[c]},hg{g.cb_hg[c]}] is needed on d{pl.cb_device[c]} by compute block c{c} "
+                     f"in stage {s.cb_stage[c]} but {what}")
+    have = x[x[:, XK] == X_O][:, [XTB, XHG, XSRC, XDST]]
+    hv = np.unique(have, axis=0) if len(have) else have.reshape(0, 4)
+    if len(hv) != len(have):
+        _fail(4, "a partial O transfer is scheduled twice")
+    want = {tuple(r) for r in need[X_O].tolist()}
+    got = {tuple(r) for r in hv.tolist()}
+    if want - got:
+        tb, hg, src, dst = sorted(want - got)[0]
+        _fail(4, f"partial O of tb{tb} hg{hg} computed on d{src} is never sent home to d{dst}")
+    if got - want:
+        tb, hg, src, dst = sorted(got - want)[0]
+        _fail(4, f"partial O transfer of tb{tb} hg{hg} d{src}->d{dst} has no partial to carry")
 
 
 def _context(prog: Program, phase: int, d: int, i: int, width: int = 4) -> str:
@@ -333,6 +382,7 @@ def _check_device(g, pl, prog, phase, d, ran, waited) -> None:
         j = np.flatnonzero(over)[0]
         fail(2, ci[j], f"runs c{c[j]} a second time")
     cq, ck, chg = g.cb_q[c], g.cb_k[c], g.cb_hg[c]
+    order_errors = []
     operands = [(2, B_Q, cq, (HOME, RECVD), True, "Q"), (3, B_KV, ck, (HOME, RECVD), True, "KV")]
     if phase == FWD:
         operands.append((4, B_O, cq, (HOME, PART), False, "O"))
@@ -350,17 +400,18 @@ def _check_device(g, pl, prog, phase, d, ran, waited) -> None:
             late = ready_at[b] >= ci
             if late.any():
                 j = np.flatnonzero(late)[0]
-                fail(3, ci[j], f"{name} %{b[j]} is read before its receive completed")
+                order_errors.append((ci[j], 3, f"{name} %{b[j]} is read before its receive completed"))
     # sends: the buffer holds its data, and a partial is final (no write after the send)
     s_ = op == SEND
     sb, si = C[s_, 3], idx[s_]
     early = ready_at[sb] >= si
     if early.any():
-        fail(3, si[np.flatnonzero(early)[0]], f"sends %{sb[np.flatnonzero(early)[0]]} before it holds data")
+        order_errors.append((si[np.flatnonzero(early)[0]], 3,
+                             f"sends %{sb[np.flatnonzero(early)[0]]} before it holds data"))
     late = last_w[sb] > si
     if late.any():
         j = np.flatnonzero(late)[0]
-        fail(4, last_w[sb[j]], f"%{sb[j]} is written after it was sent (a partial must be final when sent)")
+        order_errors.append((last_w[sb[j]], 4, f"%{sb[j]} is written after it was sent (a partial must be final when sent)"))
     sent_count = np.bincount(sb, minlength=nb)
     # merges of received partials into home blocks
     m = (op == MERGE) | (op == ADD)
@@ -374,7 +425,10 @@ def _check_device(g, pl, prog, phase, d, ran, waited) -> None:
     late = ready_at[src] >= mi
     if late.any():
         j = np.flatnonzero(late)[0]
-        fail(3, mi[j], f"merges %{src[j]} before its receive completed")
+        order_errors.append((mi[j], 3, f"merges %{src[j]} before its receive completed"))
+    if order_errors:  # report the earliest instruction that reads, sends or merges too early
+        i, inv, msg = min(order_errors, key=lambda e: e[0])
+        fail(inv, i, msg)
     merged = np.bincount(src, minlength=nb)
     if (merged > 1).any():
         b = np.flatnonzero(merged > 1)[0]

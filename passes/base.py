@@ -22,6 +22,7 @@ class Pass:
     name: ClassVar[str] = ""
     needs: ClassVar[tuple[str, ...]] = ()  # IR levels that must exist before apply
     strategy: ClassVar[bool] = False       # a placement strategy (usable as --strategy NAME)
+    default_comm: ClassVar[str] = "p2p"    # a strategy's communication mode in the default pipeline
 
     def apply(self, ir: PlanIR) -> PlanIR:  # pragma: no cover - abstract
         raise NotImplementedError

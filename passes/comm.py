@@ -1,7 +1,17 @@
-"""comm: derive the transfers a placement needs — each Q and KV block goes
-from its home to every other device that computes with it, once; each
-partial O goes from a computing device to its home, once — and a
-single-stage schedule (every compute block in stage 0)."""
+"""comm{mode=p2p|ring}: derive the transfers a placement needs.
+
+* ``p2p`` (zero-redundant, MagiAttention/DCP style): each Q and KV block goes
+  from its home straight to every other device that computes with it, once;
+  one stage.
+* ``ring`` (ring attention as deployed in ring-flash-attn and
+  TransformerEngine): every KV block travels around the ring of devices,
+  one hop a stage, so every device receives every other device's KV whether
+  it needs it or not; a compute block runs in the stage its KV arrives
+  (``(device - home) mod N``). Q (if it must move) goes p2p in stage 0.
+
+Either way each partial O goes from a computing device to the Q block's home
+once, after its last write.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +19,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import PlanError
 from ..ir.module import PlanIR
-from ..ir.schedule import Schedule
+from ..ir.schedule import X_KV, X_O, X_Q, Schedule
 from ..ir.verify import needed_transfers
 from .base import Pass, register
+
+
+def _rows(kind, r, stage) -> np.ndarray:
+    """Schedule rows (kind, tb, hg, src, dst, stage) from needed rows (tb, hg, src, dst)."""
+    return np.column_stack([np.full(len(r), kind), r, np.broadcast_to(stage, (len(r),))]).astype(np.int64)
+
+
+def ring_kv(g, pl) -> tuple[np.ndarray, np.ndarray]:
+    """Ring traffic: (schedule rows of KV, stage of every compute block)."""
+    n = pl.devices
+    tb = np.repeat(np.arange(g.n_tb), g.n_hg)
+    hg = np.tile(np.arange(g.n_hg), g.n_tb)
+    h = pl.home[tb]
+    hop = np.arange(1, n)
+    tb_, hg_, h_ = (np.repeat(a, n - 1) for a in (tb, hg, h))
+    s = np.tile(hop, len(tb))
+    rows = np.column_stack([np.full(len(s), X_KV), tb_, hg_, (h_ + s - 1) % n, (h_ + s) % n, s])
+    stage = (pl.cb_device - pl.home[g.cb_k]) % n
+    return rows.astype(np.int64).reshape(-1, 6), stage.astype(np.int64)
 
 
 @register
@@ -20,11 +50,36 @@ from .base import Pass, register
 class Comm(Pass):
     name = "comm"
     needs = ("graph", "placement")
+    mode: str = "p2p"
+
+    def __post_init__(self):
+        if self.mode not in ("p2p", "ring"):
+            raise PlanError(f"comm: mode must be p2p or ring, got {self.mode!r}")
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        need = needed_transfers(ir.graph, ir.placement)
-        rows = [np.column_stack([np.full(len(r), kind), r, np.zeros(len(r), np.int64)])
-                for kind, r in sorted(need.items())]
-        xfer = np.concatenate(rows).astype(np.int64) if rows else np.zeros((0, 6), np.int64)
-        s = Schedule(stages=1, cb_stage=np.zeros(ir.graph.n_cb, np.int64), xfer=xfer)
-        return ir.replace(schedule=s, program=None)
+        g, pl = ir.graph, ir.placement
+        need = needed_transfers(g, pl)
+        if self.mode == "p2p" or pl.devices == 1:
+            stages = 1
+            kv = _rows(X_KV, need[X_KV], 0)
+            cb_stage = np.zeros(g.n_cb, np.int64)
+        else:
+            stages = pl.devices
+            kv, cb_stage = ring_kv(g, pl)
+        xfer = np.concatenate([_rows(X_Q, need[X_Q], 0), kv, _rows(X_O, need[X_O], stages - 1)])
+        return ir.replace(schedule=Schedule(stages, cb_stage, xfer), program=None)
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class Overlap(Pass):
+    """Post each stage's transfers during the previous stage's compute, wait
+    for a block right before its first use, and send partial outputs home as
+    soon as they are final (see :mod:`attnplan.backends.emit`)."""
+
+    name = "overlap"
+    needs = ("graph", "placement", "schedule")
+
+    def apply(self, ir: PlanIR) -> PlanIR:
+        import dataclasses
+        return ir.replace(schedule=dataclasses.replace(ir.schedule, overlap=True), program=None)

@@ -1,6 +1,8 @@
 """zigzag: the ring-attention baseline. The packed sequence is cut into 2N
 equal chunks (the first T mod 2N chunks one token longer); device i holds
-chunks i and 2N-1-i. Compute runs where Q lives; KV travels."""
+chunks i and 2N-1-i. Compute runs where Q lives; KV travels — by default
+around the ring (``comm{mode=ring}``), as deployed; ``comm{mode=p2p}`` sends
+only what each device needs."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class Zigzag(Pass):
     name = "zigzag"
     needs = ("graph",)
     strategy = True
+    default_comm = "ring"  # what ring-flash-attn / TransformerEngine run today
 
     def apply(self, ir: PlanIR) -> PlanIR:
         g, n = ir.graph, ir.devices

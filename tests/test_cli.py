@@ -145,13 +145,13 @@ def test_compile_verbose_lists_passes(capsys, tmp_path):
     code, out, err = run(capsys, "compile", *SMALL, "-v", "-o", tmp_path / "v.plan")
     assert code == 0
     names = [ln.split()[0] for ln in err.splitlines()]
-    assert [n.split("{")[0] for n in names] == ["tile", "zigzag", "comm", "emit"], err
+    assert [n.split("{")[0] for n in names] == ["tile", "zigzag", "comm", "overlap", "emit"], err
     assert names[0].startswith("tile{block=32"), err
 
 
 def test_compile_pipeline(capsys, tmp_path):
     code, out, err = run(capsys, "compile", "--seqlens", "50,9", "--devices", "2",
-                         "--pipeline", "tile{block=16},zigzag,comm,emit", "-o", tmp_path / "p.plan")
+                         "--pipeline", "tile{block=16},zigzag,comm{mode=ring},overlap,emit", "-o", tmp_path / "p.plan")
     assert code == 0, err
     code, out, err = run(capsys, "compile", "--seqlens", "50,9", "--devices", "2", "--block-size", "16",
                          "-o", tmp_path / "d.plan")
@@ -160,7 +160,7 @@ def test_compile_pipeline(capsys, tmp_path):
     assert plan.ir.program == default.ir.program  # the default pipeline spelled out
     s = plan.stats()
     passes = s["pipeline"].split(",")  # normalized: every option spelled out
-    assert passes[0].startswith("tile{block=16") and passes[-3:] == ["zigzag", "comm", "emit"], s["pipeline"]
+    assert passes[0].startswith("tile{block=16") and passes[-4:] == ["zigzag", "comm{mode=ring}", "overlap", "emit"], s["pipeline"]
 
 
 # ------------------------------------------------------------------ stats

@@ -15,7 +15,13 @@ from attnplan.ir.verify import verify
 @pytest.fixture(scope="module")
 def plan():
     return attnplan.compile(seqlens=[37, 11, 64, 5], mask="causal", devices=4, heads=4, kv_heads=2, head_dim=8,
-                            block_size=8)
+                            pipeline="tile{block=8},zigzag,comm{mode=p2p},overlap,emit")
+
+
+@pytest.fixture(scope="module")
+def ring():
+    return attnplan.compile(seqlens=[37, 11, 64, 5], mask="causal", devices=4, heads=4, kv_heads=2, head_dim=8,
+                            pipeline="tile{block=8},zigzag,comm{mode=ring},overlap,emit")
 
 
 def with_code(ir, phase, device, rows):
@@ -182,3 +188,31 @@ def test_executor_reports_deadlock(plan):
     kv = torch.randn(p.tokens, p.kv_heads, p.head_dim)
     with pytest.raises(attnplan.DeadlockError, match=rf"device {d} waits on t{tag} fwd"):
         execute(bad, q, kv, kv)
+
+
+def test_ring_forward_before_it_arrives(ring):
+    """Ring traffic forwards received KV; forwarding before the wait on its
+    arrival is caught."""
+    ir = ring.ir
+    verify(ir)
+    d = 1
+    rows = rows_of(ir, FWD, d)
+    bufs = ir.program.buffers[FWD][d]
+    i = next(i for i, r in enumerate(rows) if r[0] == SEND and bufs[r[3]][3] == 1)  # a forwarding send
+    j = i - 1
+    assert rows[j][0] == WAIT
+    rows.append(rows.pop(j))
+    with pytest.raises(VerifyError, match=r"invariant 3: .*sends %\d+ before it holds data"):
+        verify(with_code(ir, FWD, d, rows))
+
+
+def test_ring_schedule_without_forwarding_source(ring):
+    """A schedule whose hop starts at a device that never received the block."""
+    from attnplan.ir.schedule import XSRC, XK, X_KV, XSTAGE
+    s = ring.ir.schedule
+    x = s.xfer.copy()
+    i = np.flatnonzero((x[:, XK] == X_KV) & (x[:, XSTAGE] == 2))[0]
+    x[i, XSTAGE] = 1  # the hop now leaves before the block reached its source
+    bad = dataclasses.replace(s, xfer=x)
+    with pytest.raises(VerifyError, match=r"invariant 3: d\d+ forwards KV\[tb\d+,hg\d+\] in stage 1 without holding it"):
+        verify(ring.ir.replace(schedule=bad, program=None))
