@@ -9,6 +9,8 @@
   peak): perfect balance, no exposed communication, same profile as
   ``predicted_s`` so that predicted / lower bound = 1 means perfect.
 * predicted_s: simulated forward + backward makespan (see ``cost``).
+* last_stage_share: share of compute FLOPs in the schedule's last stage
+  (what division scheduling should keep low; 1.0 for a single stage).
 * kernel_work_ratio: work with every piece's query rows rounded up to the
   kernel tile (128 rows on GPUs) over exact work — what short blocks waste.
 """
@@ -62,6 +64,9 @@ def compute_stats(ir, plan_s: float = 0.0, profile: str = "h100") -> dict:
         "predicted_fwd_s": sim["fwd"]["makespan_s"],
         "predicted_bwd_s": sim["bwd"]["makespan_s"],
         "predicted_over_lower_bound": sim["predicted_s"] / lower if lower > 0 else 1.0,
+        "stages": ir.schedule.stages,
+        "last_stage_share": float(g.cb_flops()[ir.schedule.cb_stage == ir.schedule.stages - 1].sum()
+                                  / max(1, total_flops)),
         "kernel_work_ratio": float((rounded_pairs(g, 128)[g.cb_tile] * g.hg_heads[g.cb_hg]).sum() / max(1, pairs.sum())),
         "profile": profile,
         "plan_s": plan_s,

@@ -61,7 +61,7 @@ def cases(draw, max_tokens=160):
     # tiny blocks make thousands of kernel calls: keep block size 1 for small batches
     block = draw(st.sampled_from([1, 3, 8, 16, 64, 2048] if sum(lens) <= 24 else [5, 8, 16, 64, 2048]))
     return dict(seqlens=lens, mask=draw(masks()), devices=devices, heads=heads, kv_heads=kv, head_dim=8,
-                block_size=block, strategy=draw(st.sampled_from(STRATEGIES)),
+                block_size=block, strategy=draw(st.sampled_from(STRATEGIES)), schedule=draw(schedules()),
                 seed=draw(st.integers(0, 1000)))
 
 
@@ -75,8 +75,22 @@ def dense_pairs(p) -> int:
     return total
 
 
+@st.composite
+def schedules(draw):
+    """Scheduling passes after the placement: None = the strategy's default."""
+    if draw(st.integers(0, 2)) == 0:
+        return None
+    comm = draw(st.sampled_from(["comm{mode=p2p}", "comm{mode=ring}"]))
+    divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if comm.endswith("p2p}") and draw(st.booleans()) else ""
+    overlap = ",overlap" if draw(st.booleans()) else ""
+    return comm + divide + overlap
+
+
 def check(case, dtype):
     seed = case.pop("seed")
+    sched = case.pop("schedule", None)
+    if sched is not None:
+        case["pipeline"] = f"tile{{block={case.pop('block_size')}}},{case.pop('strategy')},{sched},emit"
     try:
         plan = attnplan.compile(**case, dtype="float32" if dtype == "float32" else "bfloat16")
     except attnplan.PlanError as e:  # a strategy that cannot take this shape says so (e.g. ulysses: N > kv heads)
