@@ -30,6 +30,29 @@ def _load_batch(args):
     return b.seqlens, b.segments
 
 
+def _shape_args(p, nodes: bool = True):
+    """Model and machine shape options shared by compile-like commands."""
+    if nodes:
+        p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=2048)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--profile", default="h100", help="cost profile: h100, a100, cpu-local, or FILE.json")
+
+
+def _strategy_list(text: str) -> list[str]:
+    from .passes import strategies
+    if text == "all":
+        return list(strategies())
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [n for n in names if n not in strategies()]
+    if unknown or not names:
+        raise PlanError(f"unknown strategy {', '.join(unknown) or text!r}; known: {', '.join(strategies())}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="plan", description="attnplan: compile, inspect and run distributed attention plans")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -69,6 +92,29 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("plan")
     sh.add_argument("--device", type=int, default=None)
     sh.add_argument("--level", default="program", choices=["program", "all"])
+
+    cp = sub.add_parser("compare", help="compile several strategies on one batch, side by side")
+    _batch_args(cp)
+    cp.add_argument("--mask", default="causal")
+    cp.add_argument("--devices", type=int, required=True)
+    _shape_args(cp)
+    cp.add_argument("--strategies", default="all", help="comma-separated strategy names, or all")
+    cp.add_argument("--json", action="store_true")
+    cp.add_argument("--html", default=None, help="write the visual comparison report to this file")
+
+    bn = sub.add_parser("bench", help="every strategy over a workload file: table, JSON, plots")
+    bn.add_argument("--batches", default=None, help="JSONL of batches (default: ../shared/workloads/batches.jsonl)")
+    bn.add_argument("--names", default=None, help="comma-separated batch names to keep")
+    bn.add_argument("--masks", default="causal", help="masks separated by ';', e.g. 'causal;streaming(64,4096)'")
+    bn.add_argument("--devices", default="8,32", help="comma-separated device counts (8 devices a node)")
+    bn.add_argument("--strategies", default="all")
+    _shape_args(bn, nodes=False)
+    bn.add_argument("--out", default="out/bench", help="folder for bench.json, summary.txt and PNG plots")
+    bn.add_argument("--no-progress", action="store_true")
+
+    cal = sub.add_parser("calibrate", help="measure this machine's kernel and gloo rates into a cost profile")
+    cal.add_argument("-o", "--output", default="cpu-calibrated.json")
+    cal.add_argument("--repeats", type=int, default=5)
 
     m = sub.add_parser("mask", help="ASCII picture of a mask over a small batch")
     m.add_argument("mask")
@@ -153,9 +199,63 @@ def _cmd_mask(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from .backends.compare import compare, format_rows
+    seqlens, segments = _load_batch(args)
+    rows, plans = compare(_strategy_list(args.strategies), seqlens=seqlens, segments=segments, mask=args.mask,
+                          devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
+                          head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype,
+                          profile=args.profile)
+    if args.html:
+        from .backends.viz import render_compare_html
+        try:
+            with open(args.html, "w") as f:
+                f.write(render_compare_html(list(plans.items())))
+        except OSError as e:
+            raise PlanError(f"{args.html}: cannot write report: {e.strerror}") from None
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_rows(rows))
+        if args.html:
+            print(f"wrote {args.html}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    import os
+    from .backends.bench import bench
+    path = args.batches or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "workloads",
+                                        "batches.jsonl")
+    if not os.path.isfile(path):
+        raise PlanError(f"batch file not found: {path} (give --batches FILE)")
+    try:
+        devices = [int(x) for x in args.devices.split(",")]
+    except ValueError:
+        raise PlanError(f"--devices must be comma-separated integers, got {args.devices!r}") from None
+    masks = [m.strip() for m in args.masks.split(";") if m.strip()]
+    res = bench(path, masks, devices, _strategy_list(args.strategies), args.out,
+                names=args.names.split(",") if args.names else None, heads=args.heads, kv_heads=args.kv_heads,
+                head_dim=args.head_dim, block_size=args.block_size, profile=args.profile,
+                show_progress=not args.no_progress)
+    print(res["text"])
+    print("wrote " + ", ".join(str(f) for f in res["files"]))
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    from .runtime.calibrate import write_profile
+    prof = write_profile(args.output, args.repeats)
+    print(f"wrote {args.output}: kernel {prof['peak_flops'] / 1e9:.1f} GFLOP/s (bf16, 1 thread), launch "
+          f"{prof['launch_s'] * 1e6:.1f} us, gloo {prof['intra_bw'] / 1e9:.2f} GB/s, latency "
+          f"{prof['intra_alpha'] * 1e6:.0f} us")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    cmds = {"compile": _cmd_compile, "stats": _cmd_stats, "run": _cmd_run, "show": _cmd_show, "mask": _cmd_mask}
+    cmds = {"compile": _cmd_compile, "stats": _cmd_stats, "run": _cmd_run, "show": _cmd_show, "mask": _cmd_mask,
+            "compare": _cmd_compare, "bench": _cmd_bench, "calibrate": _cmd_calibrate}
     try:
         return cmds[args.cmd](args)
     except AttnplanError as e:

@@ -59,9 +59,20 @@ DTYPE_EFFICIENCY = {"bfloat16": 1.0, "float16": 1.0, "float32": 0.5}
 
 
 def get_profile(name: str) -> Profile:
-    if name not in PROFILES:
-        raise PlanError(f"unknown cost profile {name!r}; known: {', '.join(sorted(PROFILES))}")
-    return PROFILES[name]
+    """A shipped profile by name, or a JSON file written by ``plan calibrate``."""
+    if name in PROFILES:
+        return PROFILES[name]
+    if name.endswith(".json"):
+        import json
+        from dataclasses import fields
+        try:
+            with open(name) as f:
+                data = json.load(f)
+            return Profile(**{f.name: data[f.name] for f in fields(Profile) if f.name in data})
+        except (OSError, ValueError, TypeError) as e:
+            raise PlanError(f"cost profile {name}: cannot read it ({e})") from None
+    raise PlanError(f"unknown cost profile {name!r}; known: {', '.join(sorted(PROFILES))} or a FILE.json "
+                    f"from `plan calibrate`")
 
 
 def rounded_pairs(graph, tile_q: int) -> np.ndarray:

@@ -1,0 +1,143 @@
+"""``plan bench``: every strategy on every batch of a workload file, for
+several masks and device counts — a progress bar, a summary table, a JSON
+file of every row and PNG plots.
+
+Reference numbers computed outside attnplan (quoted from issue 3, measured
+on the same batches by whoever filed it) are printed beside the table so the
+strategies can be read against what is deployed today."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from .compare import compare
+
+# Deployed baselines on batches.jsonl, computed independently of attnplan (causal).
+REFERENCES = [
+    ("whole-sequence zigzag, compute imbalance, 8 devices (median)", "2.06"),
+    ("whole-sequence zigzag, compute imbalance, 32 devices (median / worst)", "2.52 / 6.41"),
+    ("per-document zigzag, work with 128-row tiles / exact, 32 devices (median; llama3sft)", "1.41x (7.4x)"),
+    ("DCP planner (eps=0.1), compute imbalance at 4x8: longalign-128k-0 / libra-128k-0 / github-128k-0 / "
+     "commoncrawl-128k-0", "1.44 / 3.03 / 4.53 / 12.8 (3-16 s each)"),
+]
+
+
+def load_batches(path: str, names: list[str] | None = None) -> list[dict]:
+    from ..frontend import load_batch
+    out = []
+    text = Path(path).read_text()
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name = json.loads(line).get("name")
+        if names and name not in names:
+            continue
+        b = load_batch(f"{path}:{name}") if name else load_batch(path)
+        out.append({"name": name or Path(path).stem, "seqlens": list(b.seqlens), "segments": b.segments})
+    return out
+
+
+def run_bench(batches, masks, devices, strategies, *, heads=8, kv_heads=2, head_dim=128, block_size=2048,
+              profile="h100", show_progress=True) -> list[dict]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    rows = []
+    jobs = [(b, m, n) for b in batches for m in masks for n in devices]
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not show_progress, transient=False) as bar:
+        task = bar.add_task("bench", total=len(jobs) * len(strategies))
+        for b, mask, n in jobs:
+            bar.update(task, description=f"{b['name']} {mask} x{n}")
+            got, _ = compare(strategies, progress=lambda _: bar.advance(task), seqlens=b["seqlens"],
+                             segments=b["segments"], mask=mask, devices=n, nodes=max(1, n // 8), heads=heads,
+                             kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, profile=profile)
+            for r in got:
+                rows.append({"batch": b["name"], "mask": mask, "devices": n, "tokens": sum(b["seqlens"]), **r})
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (mask, devices, strategy): medians and worst cases over the batches."""
+    out = []
+    keys = sorted({(r["mask"], r["devices"], r["strategy"]) for r in rows})
+    for mask, n, strat in keys:
+        rs = [r for r in rows if (r["mask"], r["devices"], r["strategy"]) == (mask, n, strat)]
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            out.append({"mask": mask, "devices": n, "strategy": strat, "batches": 0, "errors": len(rs)})
+            continue
+        imb = [r["compute_imbalance"] for r in ok]
+        zz = {r["batch"]: r["comm_bytes_total"] for r in rows if "error" not in r and r["strategy"] == "zigzag"
+              and (r["mask"], r["devices"]) == (mask, n)}
+        rel = [r["comm_bytes_total"] / zz[r["batch"]] for r in ok if zz.get(r["batch"])]
+        out.append({
+            "mask": mask, "devices": n, "strategy": strat, "batches": len(ok), "errors": len(rs) - len(ok),
+            "imbalance_median": statistics.median(imb), "imbalance_worst": max(imb),
+            "within_1.05": sum(i <= 1.05 for i in imb) / len(imb),
+            "comm_vs_zigzag_median": statistics.median(rel) if rel else None,
+            "pred_over_lb_median": statistics.median(r["predicted_over_lower_bound"] for r in ok),
+            "plan_s_median": statistics.median(r["plan_s"] for r in ok),
+            "plan_s_max": max(r["plan_s"] for r in ok),
+            "last_stage_share_median": statistics.median(r["last_stage_share"] for r in ok),
+        })
+    return out
+
+
+def format_summary(summary: list[dict]) -> str:
+    lines = [f"{'mask':<24} {'dev':>4} {'strategy':<11} {'n':>3} {'imb med':>7} {'imb max':>7} {'<=1.05':>6} "
+             f"{'comm/zz':>7} {'pred/LB':>7} {'plan s':>7} {'plan max':>8}"]
+    for s in summary:
+        if not s["batches"]:
+            lines.append(f"{s['mask']:<24} {s['devices']:>4} {s['strategy']:<11}   0 (errors: {s['errors']})")
+            continue
+        rel = f"{s['comm_vs_zigzag_median']:.2f}" if s["comm_vs_zigzag_median"] is not None else "-"
+        lines.append(f"{s['mask']:<24} {s['devices']:>4} {s['strategy']:<11} {s['batches']:>3} "
+                     f"{s['imbalance_median']:>7.3f} {s['imbalance_worst']:>7.3f} {s['within_1.05']:>6.0%} "
+                     f"{rel:>7} {s['pred_over_lb_median']:>7.2f} {s['plan_s_median']:>7.3f} {s['plan_s_max']:>8.3f}")
+    lines.append("")
+    lines.append("reference numbers (computed independently of attnplan, from issue 3):")
+    lines += [f"  {k}: {v}" for k, v in REFERENCES]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Box plots per strategy of predicted / lower bound and of compute
+    imbalance, one panel per (mask, devices)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    files = []
+    groups = sorted({(r["mask"], r["devices"]) for r in rows})
+    strategies = sorted({r["strategy"] for r in rows})
+    for metric, label, fname in (("predicted_over_lower_bound", "predicted / lower bound", "pred_over_lb.png"),
+                                 ("compute_imbalance", "compute imbalance (max/mean FLOPs)", "imbalance.png")):
+        fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+        for ax, (mask, n) in zip(axes[0], groups):
+            data = [[r[metric] for r in rows if "error" not in r and r["strategy"] == s
+                     and (r["mask"], r["devices"]) == (mask, n)] for s in strategies]
+            ax.boxplot([d if d else [float("nan")] for d in data])
+            ax.set_xticks(range(1, len(strategies) + 1), strategies, rotation=45, ha="right")
+            ax.set_yscale("log")
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            ax.set_title(f"{mask}, {n} devices", fontsize=9)
+            ax.set_ylabel(label)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
+def bench(batches_path: str, masks, devices, strategies, out_dir, names=None, **kw) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = load_batches(batches_path, names)
+    rows = run_bench(batches, masks, devices, strategies, **kw)
+    summary = summarize(rows)
+    (out / "bench.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    text = format_summary(summary)
+    (out / "summary.txt").write_text(text + "\n")
+    plots = plot(rows, out)
+    return {"rows": rows, "summary": summary, "text": text, "files": [out / "bench.json", out / "summary.txt", *plots]}

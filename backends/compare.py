@@ -1,0 +1,54 @@
+"""Compare strategies side by side on one batch (``plan compare``), and
+``auto``: compile the candidates, keep the plan with the lowest predicted time.
+
+Every number in a row comes from the plan's own ``stats()`` (the definitions
+of DESIGN.md); a strategy that cannot take the batch (e.g. ulysses with more
+devices than kv heads) gets a row with its error instead of stopping the
+comparison."""
+
+from __future__ import annotations
+
+from ..errors import AttnplanError, PlanError
+
+COLUMNS = ("strategy", "compute_imbalance", "token_imbalance", "comm_bytes_total", "comm_bytes_max", "predicted_s",
+           "predicted_over_lower_bound", "plan_s", "last_stage_share", "kernel_work_ratio")
+
+
+def row_of(name: str, plan) -> dict:
+    s = plan.stats()
+    return {"strategy": name, **{k: s[k] for k in COLUMNS[1:]}, "lower_bound_s": s["lower_bound_s"],
+            "pipeline": s["pipeline"]}
+
+
+def compare(strategies, progress=None, **compile_kwargs) -> tuple[list[dict], dict]:
+    """Compile ``strategies`` on one batch. Returns (rows, plans by strategy)."""
+    from ..api import compile as compile_plan
+    rows, plans = [], {}
+    for name in strategies:
+        try:
+            plan = compile_plan(strategy=name, **compile_kwargs)
+        except AttnplanError as e:
+            if not isinstance(e, PlanError):
+                raise  # bad batch or mask: the same for every strategy
+            rows.append({"strategy": name, "error": str(e).splitlines()[0]})
+        else:
+            plans[name] = plan
+            rows.append(row_of(name, plan))
+        if progress is not None:
+            progress(name)
+    return rows, plans
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = f"{'strategy':<11} {'comp imb':>8} {'tok imb':>7} {'comm total':>11} {'comm max':>10} " \
+           f"{'predicted':>10} {'pred/LB':>8} {'plan s':>7} {'last stg':>8} {'kern work':>9}"
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['strategy']:<11} {r['error']}")
+            continue
+        lines.append(f"{r['strategy']:<11} {r['compute_imbalance']:>8.3f} {r['token_imbalance']:>7.3f} "
+                     f"{r['comm_bytes_total'] / 1e9:>9.3f}GB {r['comm_bytes_max'] / 1e9:>8.3f}GB "
+                     f"{r['predicted_s'] * 1e3:>8.3f}ms {r['predicted_over_lower_bound']:>8.2f} "
+                     f"{r['plan_s']:>7.3f} {r['last_stage_share']:>8.2f} {r['kernel_work_ratio']:>9.2f}")
+    return "\n".join(lines)
