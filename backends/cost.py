@@ -47,6 +47,8 @@ class Profile:
 PROFILES = {
     # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 450 GB/s per direction; 400 Gb/s IB per GPU.
     "h100": Profile("h100", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 3.0e12),
+    # H200: H100 compute, 4.8 TB/s HBM3e.
+    "h200": Profile("h200", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 4.8e12),
     # A100 SXM: 312 TFLOP/s; NVLink 3 300 GB/s per direction; 200 Gb/s IB per GPU.
     "a100": Profile("a100", 312e12, 0.6, 5e-6, 128, 240e9, 22e9, 10e-6, 20e-6, 1.8e12),
     # this 2-core CPU: the CPU flash op reaches 270-670 GFLOP/s bf16; gloo on loopback 1-3 GB/s.
