@@ -113,10 +113,16 @@ def parse_pipeline(spec: str) -> list[Pass]:
 Instrument = Callable[[Pass, PlanIR, float], None]
 
 
+MAX_COMPUTE_BLOCKS = 300_000
+
+
 def run_pipeline(ir: PlanIR, passes: list[Pass], verify_each: bool = True,
-                 instruments: tuple[Instrument, ...] = ()) -> PlanIR:
+                 instruments: tuple[Instrument, ...] = (), max_compute_blocks: int = MAX_COMPUTE_BLOCKS) -> PlanIR:
     """Apply ``passes`` in order; verify after each one (unless disabled) and
-    call every instrument with (pass, result, seconds)."""
+    call every instrument with (pass, result, seconds). A pass that makes more
+    than ``max_compute_blocks`` compute blocks stops the pipeline with a
+    PlanError instead of spending minutes lowering them (per-document zigzag
+    of hundreds of short documents on 32 devices makes millions)."""
     done: set = set()
     if verify_each:
         verify(ir, done)
@@ -127,6 +133,10 @@ def run_pipeline(ir: PlanIR, passes: list[Pass], verify_each: bool = True,
         t0 = time.perf_counter()
         ir = p.apply(ir)
         dt = time.perf_counter() - t0
+        if ir.graph is not None and ir.graph.n_cb > max_compute_blocks:
+            raise PlanError(f"pass {p.name} made {ir.graph.n_cb:,} compute blocks, over the limit of "
+                            f"{max_compute_blocks:,}: use a larger block size, fewer devices or another strategy "
+                            f"(or raise max_compute_blocks)")
         if verify_each:
             try:
                 verify(ir, done)

@@ -1,0 +1,70 @@
+"""per_doc: per-document zigzag (WLB-LLM's per-document sharding,
+TransformerEngine's THD context parallelism).
+
+Every document (sample) of length ``L`` is cut into ``2N`` chunks; device
+``i`` holds chunks ``i`` and ``2N-1-i`` of every document, so under a causal
+mask each device gets one light and one heavy chunk of each document and the
+attention work is balanced document by document, not only in expectation as
+with whole-sequence zigzag. Nothing is padded: chunks have ``L // 2N``
+tokens, and the ``L mod 2N`` remainder tokens add one token to chunks chosen
+round-robin over the 2N slots ``(device 0 front, ..., device N-1 front,
+device 0 back, ..., device N-1 back)``, the cursor carrying on from one
+document to the next. Consecutive extras land on consecutive devices, so over
+the whole batch the token counts of any two devices differ by at most one.
+Compute runs where Q lives; KV travels (``comm`` moves only what is needed).
+
+The cost (WLB-LLM §3, Libra §3.3): short documents become chunks far shorter
+than the kernel's 128-row query tile, which a real kernel pays as whole
+tiles; ``stats()["kernel_work_ratio"]`` measures that waste.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ir.graph import build_graph
+from ..ir.module import PlanIR
+from ..ir.placement import Placement
+from .base import Pass, register
+
+
+def per_doc_chunks(seqlens: np.ndarray, devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk sizes ``[docs, 2N]`` and the device of each chunk column ``[2N]``.
+
+    Column ``c`` is chunk ``c`` of its document, held by device ``c`` for
+    ``c < N`` and ``2N-1-c`` otherwise. Sizes are ``L // 2N`` plus one for the
+    remainder tokens, placed round-robin (see the module doc)."""
+    n, m = devices, 2 * devices
+    lens = np.asarray(seqlens, np.int64)
+    base, rem = lens // m, lens % m
+    cursor = (np.cumsum(rem) - rem) % m  # round-robin position where each document's extras start
+    col = np.arange(m)
+    # slot of each chunk column: fronts are slots 0..N-1, backs slots N..2N-1, both in device order
+    dev = np.where(col < n, col, m - 1 - col)
+    slot = np.where(col < n, col, n + dev)
+    extra = ((slot[None, :] - cursor[:, None]) % m) < rem[:, None]
+    return base[:, None] + extra, dev
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class PerDoc(Pass):
+    """Per-document zigzag: chunks ``i`` and ``2N-1-i`` of every document on device ``i``."""
+
+    name = "per_doc"
+    needs = ("graph",)
+    strategy = True
+
+    def apply(self, ir: PlanIR) -> PlanIR:
+        g, p, n = ir.graph, ir.problem, ir.devices
+        sizes, dev = per_doc_chunks(p.seqlens, n)
+        starts = (p.offsets[:-1, None] + np.cumsum(sizes, axis=1) - sizes).ravel()
+        chunk_dev = np.broadcast_to(dev, sizes.shape).ravel()
+        keep = sizes.ravel() > 0
+        starts, chunk_dev = starts[keep], chunk_dev[keep]  # sorted: documents in order, chunks in order
+        g = build_graph(p, np.concatenate([g.tb_start, starts]), g.n_hg)
+        home = chunk_dev[np.searchsorted(starts, g.tb_start, "right") - 1].astype(np.int64)
+        pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=home[g.cb_q].copy())
+        return ir.replace(graph=g, placement=pl, schedule=None, program=None)

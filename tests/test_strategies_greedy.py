@@ -1,0 +1,274 @@
+"""Properties of the per_doc, minheap and tile_pool placement strategies
+(issue 3): per-document chunking, MagiAttention's min-heap dispatch, Libra's
+tile pool. Correctness of execution is covered by test_execute (every
+registered strategy is drawn there); these tests check what makes each
+strategy what it is."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnplan
+from attnplan.backends.cost import rounded_pairs
+from attnplan.frontend import load_mask, lower_batch
+from attnplan.ir.module import PlanIR
+from attnplan.ir.problem import Problem
+from attnplan.ir.program import B_KV, B_O, B_Q, FWD, buffer_bytes
+from attnplan.ir.verify import needed_transfers
+from attnplan.passes import parse_pipeline, run_pipeline
+from attnplan.passes.minheap import MinHeap, chunk_bounds, interval_pairs, minheap_assign
+from attnplan.passes.per_doc import per_doc_chunks
+from attnplan.passes.tile_pool import pool_assign
+
+LONG_TAIL = [65536, 16384, 8192, 8192] + [2048] * 8 + [1024] * 16  # the plan-time batch of issue 3
+
+
+def problem(seqlens, mask="causal", heads=8, kv_heads=2, head_dim=128):
+    lens = np.asarray(seqlens, np.int64)
+    return Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   pieces=lower_batch(load_mask(mask), lens.tolist(), None))
+
+
+def place(seqlens, spec, devices, nodes=1, block=2048, mask="causal", heads=8, kv_heads=2):
+    """Tile and place (verified), without comm and emit."""
+    p = problem(seqlens, mask, heads, kv_heads)
+    return run_pipeline(PlanIR(p, devices, nodes), parse_pipeline(f"tile{{block={block}}},{spec}"))
+
+
+def per_device(ir, values_per_cb):
+    return np.bincount(ir.placement.cb_device, weights=values_per_cb, minlength=ir.devices)
+
+
+def tokens_per_device(ir):
+    return np.bincount(ir.placement.home, weights=ir.graph.tb_len, minlength=ir.devices).astype(np.int64)
+
+
+def fwd_bytes(ir) -> int:
+    """Forward bytes the placement's transfers move (what the comm pass derives)."""
+    g = ir.graph
+    need = needed_transfers(g, ir.placement)
+    return int(sum(buffer_bytes(g, FWD, kind, need[x][:, 0], need[x][:, 1]).sum()
+                   for x, kind in ((0, B_Q), (1, B_KV), (2, B_O))))
+
+
+lens_lists = st.lists(st.integers(1, 300), min_size=1, max_size=8)
+
+
+# per_doc --------------------------------------------------------------------------------------------
+
+def reference_per_doc(lens, n):
+    """Per-document zigzag written the slow, obvious way: 2N chunks of L // 2N, the
+    remainder one token at a time round-robin over the slots (device 0 front, ...,
+    device N-1 front, device 0 back, ...), the cursor carried across documents."""
+    m, cursor, out = 2 * n, 0, []
+    for L in lens:
+        sizes = [L // m] * m
+        for e in range(L % m):
+            slot = (cursor + e) % m
+            sizes[slot if slot < n else m - 1 - (slot - n)] += 1
+        cursor = (cursor + L % m) % m
+        out.append(sizes)
+    return np.array(out)
+
+
+@given(lens_lists, st.integers(1, 12))
+def test_per_doc_chunks_round_robin_no_padding(lens, n):
+    sizes, dev = per_doc_chunks(np.array(lens), n)
+    assert np.array_equal(sizes, reference_per_doc(lens, n))
+    assert np.array_equal(sizes.sum(1), lens)                      # nothing padded, nothing lost
+    assert (sizes.max(1) - sizes.min(1) <= 1).all()                # chunks of a document differ by <= 1 token
+    assert np.array_equal(dev, [c if c < n else 2 * n - 1 - c for c in range(2 * n)])
+    per = np.bincount(np.broadcast_to(dev, sizes.shape).ravel(), weights=sizes.ravel(), minlength=n)
+    assert per.max() - per.min() <= 1                              # the round-robin bound
+
+
+@settings(max_examples=40)
+@given(lens_lists, st.integers(1, 8), st.sampled_from([1, 5, 16, 2048]))
+def test_per_doc_device_i_holds_chunks_i_and_mirror(lens, n, block):
+    ir = place(lens, "per_doc", n, block=block, heads=2, kv_heads=1)
+    g, pl = ir.graph, ir.placement
+    sizes, _ = per_doc_chunks(np.array(lens), n)
+    # expected device of every token: chunk c of its document -> c or 2N-1-c
+    want = np.concatenate([np.repeat([c if c < n else 2 * n - 1 - c for c in range(2 * n)], row) for row in sizes])
+    got = np.repeat(pl.home, g.tb_len)
+    assert np.array_equal(got, want)
+    assert np.array_equal(pl.cb_device, pl.home[g.cb_q])           # compute where Q lives
+    t = tokens_per_device(ir)
+    assert t.sum() == sum(lens) and t.max() - t.min() <= 1
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_per_doc_balances_pairs_exactly_when_chunks_are_equal(n):
+    lens = [2 * n * x for x in (3, 50, 7, 400)]
+    ir = place(lens, "per_doc", n, block=64)
+    pairs = per_device(ir, ir.graph.cb_pairs)
+    assert pairs.max() == pairs.min()
+    # whole-sequence zigzag on the same batch is not balanced
+    zz = place(lens, "zigzag", n, block=64)
+    zz_pairs = per_device(zz, zz.graph.cb_pairs)
+    assert zz_pairs.max() > zz_pairs.min()
+
+
+def test_per_doc_short_documents_waste_kernel_tiles():
+    short = place([96] * 8, "per_doc", 8)     # 6-token chunks: every one rounds up to a 128-row tile
+    long = place([65536], "per_doc", 8)        # 4096-token chunks, 2048-token blocks: no rounding
+    ratio = [float((rounded_pairs(ir.graph, 128)[ir.graph.cb_tile] * ir.graph.hg_heads[ir.graph.cb_hg]).sum()
+                   / ir.graph.cb_pairs.sum()) for ir in (short, long)]
+    assert ratio[0] > 10 and ratio[1] == 1.0
+
+
+# minheap --------------------------------------------------------------------------------------------
+
+@settings(max_examples=40)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=12), st.integers(1, 16), st.sampled_from([0, 64, 1000]))
+def test_minheap_equal_chunk_counts_and_q_stays(lens, n, chunk):
+    ir = place(lens, f"minheap{{chunk={chunk}}}", n, block=512, heads=2, kv_heads=1)
+    k, bounds, dev = MinHeap(chunk=chunk).chunks_per_device(ir)
+    assert np.array_equal(np.bincount(dev, minlength=n), np.full(n, k))
+    if chunk:
+        assert np.diff(bounds).max() <= chunk
+    g, pl = ir.graph, ir.placement
+    # each token block lies in one chunk and lives on that chunk's device; Q stays where it lives
+    c = np.searchsorted(bounds, g.tb_start, "right") - 1
+    assert (g.tb_end <= bounds[c + 1]).all() and np.array_equal(pl.home, dev[c])
+    assert np.array_equal(pl.cb_device, pl.home[g.cb_q])
+    # chunk areas in closed form equal the block graph's exact pairs
+    areas = interval_pairs(ir.problem.pieces.a, bounds)
+    by_chunk = np.bincount(c[g.cb_q], weights=g.cb_pairs, minlength=len(areas))
+    assert np.array_equal(areas * ir.problem.heads, by_chunk)
+    t = tokens_per_device(ir)
+    assert t.max() - t.min() <= k                                   # k chunks each, sizes within one token
+
+
+@given(st.lists(st.integers(0, 10 ** 6), min_size=1, max_size=64), st.integers(1, 8))
+def test_minheap_greedy_order(areas, n):
+    areas = np.array(areas, np.int64)
+    k = -(-len(areas) // n)
+    dev = minheap_assign(areas, n, k)
+    # replay: largest area first (ties: lower index), each onto the least-loaded device with room
+    load, count = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for i in sorted(range(len(areas)), key=lambda i: (-areas[i], i)):
+        room = np.flatnonzero(count < k)
+        best = room[np.argmin(load[room])]
+        assert dev[i] == best, f"item {i} went to {dev[i]}, the least-loaded device with room is {best}"
+        load[best] += areas[i]
+        count[best] += 1
+
+
+@pytest.mark.parametrize("n,nodes", [(8, 1), (32, 4)])
+def test_minheap_balances_long_tailed_batch(n, nodes):
+    plan = attnplan.compile(seqlens=LONG_TAIL, mask="causal", devices=n, nodes=nodes, heads=8, kv_heads=2,
+                            head_dim=128, block_size=2048, strategy="minheap")
+    s = plan.stats()
+    assert s["compute_imbalance"] <= 1.05 and s["token_imbalance"] <= 1.001
+    zz = attnplan.compile(seqlens=LONG_TAIL, mask="causal", devices=n, nodes=nodes, heads=8, kv_heads=2,
+                          head_dim=128, block_size=2048, strategy="zigzag").stats()
+    assert zz["compute_imbalance"] > 1.5
+
+
+def test_minheap_auto_picks_the_coarsest_balanced_chunking():
+    ir = place(LONG_TAIL, "minheap", 32, nodes=4)
+    k, bounds, dev = MinHeap().chunks_per_device(ir)
+    T, P = ir.problem.tokens, ir.problem.pieces.a
+
+    def imb(k):
+        b = chunk_bounds(T, k * 32)
+        a = interval_pairs(P, b)
+        load = np.bincount(minheap_assign(a, 32, k), weights=a, minlength=32)
+        return load.max() / load.mean()
+
+    assert imb(k) <= 1.05 and k > 1 and imb(k // 2) > 1.05
+
+
+# tile_pool ------------------------------------------------------------------------------------------
+
+@settings(max_examples=30)
+@given(st.lists(st.integers(1, 4000), min_size=1, max_size=10), st.integers(1, 12), st.sampled_from([0.02, 0.05, 0.2]))
+def test_tile_pool_under_soft_cap_when_blocks_are_small(lens, n, eps):
+    ir = place(lens, f"tile_pool{{eps={eps},block=128}}", n, block=128, heads=4, kv_heads=2)
+    g = ir.graph
+    load = per_device(ir, g.cb_pairs)
+    mean = load.sum() / n
+    if g.cb_pairs.max(initial=0) <= eps * mean:                   # then no block can find every device full
+        assert load.max() <= (1 + eps) * mean
+    assert g.n_hg == 2                                              # one head group per kv head
+    t = tokens_per_device(ir)
+    assert t.max() - t.min() <= 1                                   # equal contiguous homes
+    assert (np.diff(ir.placement.home) >= 0).all()
+
+
+@pytest.mark.parametrize("n,nodes", [(8, 1), (32, 4)])
+def test_tile_pool_balances_long_tailed_batch(n, nodes):
+    ir = place(LONG_TAIL, "tile_pool", n, nodes=nodes)
+    load = per_device(ir, ir.graph.cb_pairs)
+    assert load.max() / load.mean() <= 1.04 + 1e-12
+    no_loc = place(LONG_TAIL, "tile_pool{locality=false}", n, nodes=nodes)
+    nl = per_device(no_loc, no_loc.graph.cb_pairs)
+    assert nl.max() / nl.mean() <= 1.04 + 1e-12
+    # preferring devices that hold the data pays: far fewer bytes at the same cap
+    assert fwd_bytes(ir) < 0.5 * fwd_bytes(no_loc)
+
+
+def test_tile_pool_keeps_balanced_work_at_home():
+    # one 4096-token document per device: work already balanced, every tile local
+    ir = place([4096] * 4, "tile_pool", 4, block=1024)
+    assert fwd_bytes(ir) == 0
+    assert np.array_equal(ir.placement.cb_device, ir.placement.home[ir.graph.cb_q])
+    # without the locality preference the same cap still holds but data moves
+    assert fwd_bytes(place([4096] * 4, "tile_pool{locality=false}", 4, block=1024)) > 0
+
+
+@pytest.mark.parametrize("lens,n", [([6144] + [2048] * 3 + [64] * 96, 3),
+                                    ([12288] + [4096] * 3 + [2048] * 6 + [256] * 48 + [64] * 192, 4)])
+def test_tile_pool_light_devices_keep_their_own_blocks(lens, n):
+    # device 0 holds one long document and must shed most of its work; the others hold
+    # shorter documents whose blocks are local (Q and KV at home). The reservation keeps
+    # room for those, so spilled work lands beside them instead of pushing them away.
+    ir = place(lens, "tile_pool{block=256}", n)
+    g, pl = ir.graph, ir.placement
+    own = np.where(pl.home[g.cb_q] == pl.home[g.cb_k], pl.home[g.cb_q], -1)
+    load = per_device(ir, g.cb_pairs)
+    assert load.max() <= 1.04 * load.mean()
+    for d in range(1, n):
+        assert (pl.cb_device[own == d] == d).all()
+    assert (pl.cb_device[own == 0] != 0).any()
+
+
+def test_tile_pool_spills_to_the_device_holding_kv():
+    """Three devices, b = 256-token blocks, causal, documents Z (3b), X (2b), Y (4b), W (2b);
+    homes: Z and X's first block on device 0, X's second block and Y on device 1, W on
+    device 2. In units of b²/2 pairs: Z 9, Y 16, W 4, X's row 1: (x1, x0) 2 + (x1, x1) 1,
+    mean 11, cap (eps 0.5) 16.5. Rows go heaviest first: Y, Z, W stay home (loads 9, 16, 4).
+    (x1, x0) cannot stay on device 1 (16 + 2 > 16.5); devices 0 and 2 have room. Device 0
+    owns x0's KV, device 2 holds nothing of it: the locality preference picks device 0
+    although device 2 is less loaded; then (x1, x1) follows x1's Q to device 0.
+    Without the preference the least-loaded device 2 gets it."""
+    from attnplan.ir.graph import build_graph
+    b = 256
+    p = problem([3 * b, 2 * b, 4 * b, 2 * b], heads=1, kv_heads=1)
+    g = build_graph(p, np.cumsum([0, 3 * b, b, b, 4 * b, 2 * b]), 1)
+    home = np.array([0, 0, 1, 1, 2])
+    key = {(int(g.tile_q[t]), int(g.tile_k[t])): t for t in range(g.n_tile)}
+    dev = pool_assign(g, home, 3, 1, eps=0.5)
+    assert dev[key[(2, 1)]] == 0 and dev[key[(2, 2)]] == 0
+    assert dev[key[(1, 1)]] == 0 and dev[key[(3, 3)]] == 1 and dev[key[(4, 4)]] == 2
+    blind = pool_assign(g, home, 3, 1, eps=0.5, locality=False)
+    assert blind[key[(2, 1)]] == 2
+
+
+# all three ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["per_doc", "minheap", "tile_pool"])
+def test_deterministic(strategy):
+    kw = dict(seqlens=[3000, 700, 120, 45, 1], mask="sliding_window(300) | (k < 8 & k <= q)", devices=6, nodes=2,
+              heads=4, kv_heads=2, head_dim=16, block_size=256, strategy=strategy)
+    assert attnplan.compile(**kw).canonical_bytes() == attnplan.compile(**kw).canonical_bytes()
+
+
+@pytest.mark.parametrize("strategy", ["per_doc", "minheap", "tile_pool"])
+def test_more_devices_than_tokens(strategy):
+    plan = attnplan.compile(seqlens=[3, 1], mask="full", devices=8, heads=2, kv_heads=1, head_dim=8, block_size=1,
+                            strategy=strategy)
+    s = plan.stats()
+    assert sum(s["per_device"]["tokens"]) == 4 and s["pairs"] == (9 + 1) * 2
