@@ -101,11 +101,12 @@ def simulate(ir, prof: Profile, record: bool = False) -> dict:
     """Event-driven simulation of every device's forward, then backward, program.
 
     Each device has a compute stream (its instruction stream: compute blocks,
-    merges) and a send and a receive stream. Devices advance in global time
-    order; a transfer starts once both its ends are posted and the sender's
-    send stream and the receiver's receive stream are free, and takes
-    ``alpha + bytes / bandwidth`` of the link it crosses (intra- or
-    inter-node); a ``wait`` stalls its device until the transfer ends.
+    merges) and a send and a receive queue. Devices advance in global time
+    order; a transfer is ready once both its ends are posted, takes ``alpha +
+    bytes / bandwidth`` of the link it crosses (intra- or inter-node) on the
+    sender's queue and on the receiver's queue, each serving its transfers in
+    the order they became ready, and ends when the later of the two is done;
+    a ``wait`` stalls its device until then.
 
     Returns per phase ``finish_s`` and ``compute_s`` per device and the
     ``makespan_s``; ``predicted_s`` is forward + backward. With ``record``,
@@ -145,10 +146,16 @@ def simulate(ir, prof: Profile, record: bool = False) -> dict:
                 posted[t] = now
                 return
             a, b = src_l[t], dst_l[t]
-            start = max(posted[t], now, send_free[a], recv_free[b])
-            end[t] = send_free[a] = recv_free[b] = start + dur_l[t]
+            ready = max(posted[t], now)
+            # the sender's and the receiver's queues each serve their own
+            # transfers in turn; a transfer ends when the busier side is done
+            # (reserving both sides at the later start would leave idle gaps
+            # that convoy through every link)
+            send_free[a] = max(ready, send_free[a]) + dur_l[t]
+            recv_free[b] = max(ready, recv_free[b]) + dur_l[t]
+            end[t] = max(send_free[a], recv_free[b])
             if record:
-                ev_t.append((t, a, b, start, end[t]))
+                ev_t.append((t, a, b, end[t] - dur_l[t], end[t]))
             for w in waiting.pop(t, ()):
                 if record and end[t] > clock[w]:
                     ev_w.append((w, clock[w], end[t], t))
