@@ -89,6 +89,55 @@ class Plan:
         ir, meta, measured = unpack(data, source)
         return Plan(ir, meta, measured)
 
+    # token ownership (the training API; see attnplan.runtime.layout) ---------------
+    def local_index(self, rank: int) -> np.ndarray:
+        """Global (packed) token index of each of ``rank``'s local rows: its home
+        token blocks in increasing order."""
+        from .runtime.layout import local_index
+        return local_index(self.ir, rank)
+
+    def local_tokens(self, rank: int) -> int:
+        from .runtime.layout import local_tokens
+        return local_tokens(self.ir, rank)
+
+    def position_ids(self, rank: int, kind: str = "sample") -> np.ndarray:
+        """Positions of ``rank``'s local tokens for RoPE: by default the position
+        inside each token's own sample (0 at every sample start, as packed
+        training needs); ``kind="global"`` gives the packed-axis position."""
+        from .runtime.layout import position_ids
+        return position_ids(self.ir, rank, kind)
+
+    def sample_ids(self, rank: int) -> np.ndarray:
+        """The sample each of ``rank``'s local tokens belongs to (for labels and loss weights)."""
+        from .runtime.layout import sample_ids
+        return sample_ids(self.ir, rank)
+
+    def dispatch(self, x_global, rank: int | None = None, group=None):
+        """``rank``'s rows of ``x_global`` (tokens first: a torch tensor or numpy
+        array of the whole batch), in local order. ``rank`` defaults to this
+        process's rank in ``group``. Differentiable."""
+        from .runtime.dist import dispatch
+        return dispatch(self.ir, x_global, self._rank(rank, group))
+
+    def undispatch(self, x_local, group=None, timeout: float | None = None):
+        """Every rank's local rows gathered into global token order, on every rank
+        (an all_gather over ``group``). Its backward returns this rank's rows of
+        the incoming gradient and communicates nothing: every rank must compute
+        the same function of the result (then sum parameter gradients over the
+        group, as for a loss over ``dispatch``-ed tokens)."""
+        from .runtime.dist import undispatch
+        return undispatch(self, x_local, group, timeout)
+
+    def _rank(self, rank, group) -> int:
+        if rank is not None:
+            return rank
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(group)
+        if self.devices == 1:
+            return 0
+        raise PlanError("no rank given and torch.distributed is not initialized")
+
 
 def load(path) -> Plan:
     """Read and validate a plan file (raises :class:`PlanFileError`)."""
@@ -102,13 +151,18 @@ def load(path) -> Plan:
 def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads: int = 8,
             kv_heads: int | None = None, head_dim: int = 64, strategy: str = "zigzag", block_size: int = 2048,
             pipeline: str | None = None, segments=None, dtype: str = "bfloat16", memory_cap: int | None = None,
-            verify: bool = True, profile: str = "h100", instruments=()) -> Plan:
+            verify: bool = True, profile: str = "h100", instruments=(),
+            max_compute_blocks: int | None = None) -> Plan:
     """Compile one batch into a verified plan.
 
     ``mask`` is a builtin name or expression (``"causal"``,
     ``"sliding_window(256) | k < 16"``), a path to a ``.mask`` file, or a
     parsed ``MaskProgram``. ``kv_heads`` defaults to ``heads``. ``pipeline``
-    overrides ``strategy``/``block_size`` with a pass pipeline string."""
+    overrides ``strategy``/``block_size`` with a pass pipeline string.
+    ``strategy="auto"`` compiles every strategy and keeps the plan with the
+    lowest predicted time (``plan.meta["candidates"]`` has each one's)."""
+    if strategy == "auto" and pipeline is None:
+        return _compile_auto(dict(locals()))
     from . import backends  # noqa: F401  (registers emit)
     from .backends.cost import get_profile
     from .frontend import MaskProgram, load_mask, lower_batch
@@ -141,13 +195,46 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     pieces = lower_batch(prog, lens.tolist(), segments)
     problem = Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=pieces,
                       mask=prog.source, segments=segments, dtype=dtype)
+    from .passes.base import MAX_COMPUTE_BLOCKS
     ir = run_pipeline(PlanIR(problem, devices, nodes, memory_cap), passes, verify_each=verify,
-                      instruments=tuple(instruments))
+                      instruments=tuple(instruments), max_compute_blocks=max_compute_blocks or MAX_COMPUTE_BLOCKS)
     if ir.program is None:
         raise PlanError(f"pipeline {pipeline!r} does not end in a program; add 'emit'")
     meta = {"pipeline": ",".join(p.spec() for p in passes), "strategy": strategy if named else "",
             "block_size": block_size, "profile": profile}
     return Plan(ir, meta, {"plan_s": time.perf_counter() - t0})
+
+
+def _compile_auto(kwargs: dict) -> Plan:
+    from .passes import strategies
+    t0 = time.perf_counter()
+    best, candidates, errors = None, {}, []
+    for name in strategies():
+        try:
+            plan = compile(**dict(kwargs, strategy=name))
+        except PlanError as e:  # a strategy that cannot take this batch
+            errors.append(f"{name}: {str(e).splitlines()[0]}")
+            continue
+        candidates[name] = plan.stats()["predicted_s"]
+        if best is None or candidates[name] < candidates[best[0]]:
+            best = (name, plan)
+    if best is None:
+        raise PlanError("auto: no strategy could plan this batch (" + "; ".join(errors) + ")")
+    meta = dict(best[1].meta, strategy=f"auto:{best[0]}", candidates=candidates)
+    return Plan(best[1].ir, meta, {"plan_s": time.perf_counter() - t0})
+
+
+def attention(q, k, v, plan: Plan, group=None, *, softmax_scale: float | None = None, timeout: float | None = None,
+              timings=None):
+    """This rank's attention under ``plan``, for a training step: ``q [T_local,
+    Hq, D]``, ``k``/``v [T_local, Hkv, D]`` in the plan's local layout
+    (``plan.dispatch``); returns the local output. Autograd-aware: the
+    backward issues the plan's backward transfers in the plan's order on every
+    rank. Device ``d`` is rank ``d`` of ``group`` (default: the default group).
+    ``timeout``: seconds before a stuck transfer raises ``TransportError``
+    naming the peer and transfer."""
+    from .runtime.dist import attention as _attention
+    return _attention(q, k, v, plan, group, softmax_scale=softmax_scale, timeout=timeout, timings=timings)
 
 
 def execute(plan: Plan, q, k, v, softmax_scale: float | None = None):

@@ -81,12 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--profile", default=None)
 
-    r = sub.add_parser("run", help="execute a plan on CPU in this process")
+    r = sub.add_parser("run", help="execute a plan on CPU: in this process, or one process per device (--procs)")
     r.add_argument("plan")
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     r.add_argument("--check", action="store_true", help="compare outputs and gradients with dense masked attention")
     r.add_argument("--devices", type=int, default=None, help="expected device count (error if the plan differs)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--procs", type=int, default=None,
+                   help="run on N local processes (gloo), one per device; under torchrun (RANK and WORLD_SIZE set) "
+                        "this process runs as that rank")
+    r.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a transfer may take before the run fails naming the peer (multi-process runs)")
 
     sh = sub.add_parser("show", help="text form of a plan's programs")
     sh.add_argument("plan")
@@ -120,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("mask")
     _batch_args(m)
     m.add_argument("--width", type=int, default=64)
+
+    vz = sub.add_parser("viz", help="visual report of a plan: one self-contained HTML file and/or PNG pictures")
+    vz.add_argument("plan")
+    vz.add_argument("-o", "--output", default=None, help="HTML report to write, e.g. report.html")
+    vz.add_argument("--png", default=None, metavar="DIR", help="write mask/bars/comm/timeline PNGs into DIR")
+    vz.add_argument("--profile", default=None, help="cost profile for the timeline (default: the plan's)")
+
+    ex = sub.add_parser("explain", help="short text account: most loaded device and why, transfers, waits, cost")
+    ex.add_argument("plan")
+    ex.add_argument("--device", type=int, default=None, help="explain this device (default: the most loaded)")
+    ex.add_argument("--profile", default=None)
     return ap
 
 
@@ -155,11 +171,28 @@ def _cmd_stats(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    import os
+
     from .api import load
+    from .runtime import launch
     from .runtime.check import check_plan, run_plan
+    if not args.timeout > 0:
+        raise PlanError(f"--timeout must be positive seconds, got {args.timeout}")
+    if launch.in_rank_mode():  # torchrun, or a process started by --procs
+        if args.procs is not None and str(args.procs) != os.environ["WORLD_SIZE"]:
+            raise PlanError(f"--procs {args.procs} differs from WORLD_SIZE={os.environ['WORLD_SIZE']}")
+        if args.devices is not None and str(args.devices) != os.environ["WORLD_SIZE"]:
+            raise PlanError(f"--devices {args.devices} differs from WORLD_SIZE={os.environ['WORLD_SIZE']}")
+        return launch.run_rank(args.plan, args.dtype, args.seed, args.check, args.timeout)
     plan = load(args.plan)
     if args.devices is not None and args.devices != plan.devices:
         raise PlanError(f"{args.plan} was compiled for {plan.devices} devices, not {args.devices}")
+    if args.procs is not None:
+        if args.procs != plan.devices:
+            raise PlanError(f"{args.plan} was compiled for {plan.devices} devices; --procs must be {plan.devices}, "
+                            f"got {args.procs}")
+        return launch.launch([str(args.plan), "--dtype", args.dtype, "--seed", str(args.seed), "--timeout",
+                              repr(args.timeout)] + (["--check"] if args.check else []), args.procs)
     t0 = time.perf_counter()
     if not args.check:
         run_plan(plan, args.dtype, args.seed)
@@ -196,6 +229,32 @@ def _cmd_mask(args) -> int:
     if sum(seqlens) > 4096:
         raise PlanError(f"plan mask draws small batches (at most 4096 tokens); this one has {sum(seqlens)}")
     print(render(load_mask(args.mask), seqlens, segments, width=args.width))
+    return 0
+
+
+def _cmd_viz(args) -> int:
+    from .api import load
+    from .backends.viz import render_html, write_pngs
+    if args.output is None and args.png is None:
+        raise PlanError("plan viz needs -o REPORT.html and/or --png DIR")
+    plan = load(args.plan)
+    if args.output is not None:
+        text = render_html(plan, args.profile)
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise PlanError(f"{args.output}: cannot write report: {e.strerror or e}") from None
+        print(f"wrote {args.output} ({len(text.encode()) / 1e6:.2f} MB)")
+    if args.png is not None:
+        print("wrote " + ", ".join(str(p) for p in write_pngs(plan, args.png, args.profile)))
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    from .api import load
+    from .backends.explain import explain
+    print(explain(load(args.plan), device=args.device, profile=args.profile))
     return 0
 
 
@@ -255,7 +314,8 @@ def _cmd_calibrate(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cmds = {"compile": _cmd_compile, "stats": _cmd_stats, "run": _cmd_run, "show": _cmd_show, "mask": _cmd_mask,
-            "compare": _cmd_compare, "bench": _cmd_bench, "calibrate": _cmd_calibrate}
+            "compare": _cmd_compare, "bench": _cmd_bench, "calibrate": _cmd_calibrate, "viz": _cmd_viz,
+            "explain": _cmd_explain}
     try:
         return cmds[args.cmd](args)
     except AttnplanError as e:

@@ -45,3 +45,8 @@ class ShapeError(AttnplanError):
 
 class DeadlockError(AttnplanError):
     """No device can make progress; the message names the devices and transfer keys."""
+
+
+class TransportError(AttnplanError):
+    """A peer died, or a transfer or the plan handshake did not complete within
+    the timeout; the message names the peer (device and rank) and the transfer key."""

@@ -1,9 +1,14 @@
 """In-process executor: runs every device's program in one process.
 
-Devices take turns (the same cooperative walk the verifier uses): a device
-runs until it waits on a transfer whose other side is not yet posted; the
-transport is an in-memory mailbox. A round in which no device moves raises
-:class:`DeadlockError` naming the devices and transfer keys.
+Each device is a :class:`~attnplan.runtime.runner.DeviceRunner` (the same
+runner the distributed executor uses) whose home buffers are views of the
+global tensors. Devices take turns in the cooperative walk of
+:mod:`attnplan.ir.interp`: a device runs until it waits on a transfer whose
+other side is not yet posted. The transport is an in-memory mailbox: the data
+moves when the second side of a transfer is posted (MPI semantics: a send's
+tensors are not modified before its wait, which cannot pass before then). A
+round in which no device moves raises :class:`DeadlockError` naming the
+devices and transfer keys.
 
 Forward and backward go through :class:`PlanAttention`, a custom
 ``torch.autograd.Function``: every compute block's backward uses the global
@@ -16,196 +21,126 @@ import math
 
 import torch
 
-from ..errors import ShapeError
-from ..ir.interp import cooperate
-from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, HOME, MERGE, RECV, SEND,
-                          T_DST, WAIT)
-from . import kernels
+from ..errors import PlanError, ShapeError
+from ..ir.interp import cooperate, transfer_key
+from ..ir.program import BWD, FWD
+from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings
 
-NEG_INF = float("-inf")
-
-
-class _Views:
-    """Row and head ranges of token blocks and head groups."""
-
-    def __init__(self, graph):
-        self.s = graph.tb_start.tolist()
-        self.e = graph.tb_end.tolist()
-        g = graph.problem.group
-        self.kv = list(zip(graph.hg_start.tolist(), graph.hg_end.tolist()))
-        self.q = [(a * g, b * g) for a, b in self.kv]
-
-    def rows(self, tb):
-        return slice(self.s[tb], self.e[tb])
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-class _Mailbox:
-    """In-memory transport: a send posts a copy of the buffer; the receiver's
-    wait takes it. (The walk only lets a wait pass once both sides posted.)"""
+class Mailbox:
+    """In-memory transport shared by the devices of one phase."""
 
-    def __init__(self, prog):
-        self.dst = prog.transfers[:, T_DST].tolist()
-        self.box = {}
-        self.pending = [dict() for _ in range(prog.devices)]
+    def __init__(self, program):
+        self.program = program
+        self.posted: dict[int, tuple] = {}  # tag -> tensors of the side posted first
 
-    def handle(self, d, row, st) -> bool:
-        op = row[0]
-        if op == SEND:
-            self.box[row[1]] = tuple(t.clone() for t in st[row[3]])
-        elif op == RECV:
-            self.pending[d][row[1]] = row[3]
-        elif op == WAIT:
-            if self.dst[row[1]] == d:
-                st[self.pending[d].pop(row[1])] = self.box.pop(row[1])
+    def endpoint(self, device: int) -> "_Endpoint":
+        return _Endpoint(self, device)
+
+    def _meet(self, tag: int, src, dst) -> None:
+        if len(src) != len(dst) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(src, dst)):
+            raise PlanError(f"transfer {transfer_key(self.program, tag)}: the sender's buffer "
+                            f"{[(tuple(a.shape), a.dtype) for a in src]} does not match the receiver's "
+                            f"{[(tuple(b.shape), b.dtype) for b in dst]}")
+        for a, b in zip(src, dst):
+            b.copy_(a)
+
+
+class _Endpoint:
+    def __init__(self, box: Mailbox, device: int):
+        self.box, self.device = box, device
+
+    def post_send(self, tag: int, peer: int, tensors, flat=None) -> None:
+        other = self.box.posted.pop(tag, None)
+        if other is None:
+            self.box.posted[tag] = tuple(tensors)
         else:
-            return False
-        return True
+            self.box._meet(tag, tensors, other)
+
+    def post_recv(self, tag: int, peer: int, tensors, flat=None) -> None:
+        other = self.box.posted.pop(tag, None)
+        if other is None:
+            self.box.posted[tag] = tuple(tensors)
+        else:
+            self.box._meet(tag, other, tensors)
+
+    def wait(self, tag: int) -> None:
+        """The walk lets a wait pass only once both sides are posted, when the data already moved."""
 
 
-def check_inputs(plan_ir, q, k, v) -> None:
+def check_inputs(plan_ir, q, k, v, tokens: int | None = None, where: str = "") -> None:
+    """Shapes ``[tokens, heads, head_dim]`` (``tokens`` defaults to the whole
+    batch), one floating dtype, one device; else :class:`ShapeError`."""
     p = plan_ir.problem
-    T = p.tokens
+    T = p.tokens if tokens is None else tokens
     for name, t, heads in (("q", q, p.heads), ("k", k, p.kv_heads), ("v", v, p.kv_heads)):
         if not isinstance(t, torch.Tensor):
-            raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ShapeError(f"{where}{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3 or tuple(t.shape) != (T, heads, p.head_dim):
-            raise ShapeError(f"{name} must have shape [tokens={T}, heads={heads}, head_dim={p.head_dim}], "
+            raise ShapeError(f"{where}{name} must have shape [tokens={T}, heads={heads}, head_dim={p.head_dim}], "
                              f"got {list(t.shape)}")
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            raise ShapeError(f"{name} has dtype {t.dtype}; expected a floating dtype")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ShapeError(f"{where}{name} has dtype {t.dtype}; expected float32, bfloat16, float16 or float64")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ShapeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ShapeError(f"{where}q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ShapeError("q, k, v must be on one device")
+        raise ShapeError(f"{where}q, k, v must be on one device")
+    if q.device.type != "cpu":
+        raise ShapeError(f"{where}q, k, v are on {q.device}; the runtime's kernels run on CPU tensors")
 
 
-def _pieces(graph, c: int):
-    return graph.tile_pieces(int(graph.cb_tile[c]))
-
-
-def run_forward(plan_ir, q, k, v, scale: float):
-    """Execute the forward programs. Returns (out fp32 [T, Hq, D], lse fp32 [T, Hq])."""
+def _run_all(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None) -> None:
     g, prog = plan_ir.graph, plan_ir.program
-    vw = _Views(g)
+    box = Mailbox(prog)
+    runners = [DeviceRunner(g, prog, phase, d, home_bindings(g, prog, phase, d, tensors, g.tb_start),
+                            box.endpoint(d), scale, dtype, timings)
+               for d in range(prog.devices)]
+    cooperate(prog, phase, lambda d, i, row: runners[d].step(i, row))
+
+
+def run_forward(plan_ir, q, k, v, scale: float, timings: Timings | None = None):
+    """Execute the forward programs. Returns (out [T, Hq, D], lse [T, Hq]) in
+    the accumulator dtype (float32; float64 for float64 inputs)."""
     T, Hq, D = q.shape
-    out = torch.zeros(T, Hq, D, dtype=torch.float32)
-    lse = torch.full((T, Hq), NEG_INF, dtype=torch.float32)
-    cq, ck = g.cb_q.tolist(), g.cb_k.tolist()
-    state = []
-    for d in range(prog.devices):
-        st = {}
-        for b, (kind, tb, hg, role, _, _) in enumerate(prog.buffers[FWD][d].tolist()):
-            if role != HOME:
-                continue
-            r, (h0, h1), (q0, q1) = vw.rows(tb), vw.kv[hg], vw.q[hg]
-            if kind == B_Q:
-                st[b] = (q[r, q0:q1],)
-            elif kind == B_KV:
-                st[b] = (k[r, h0:h1], v[r, h0:h1])
-            elif kind == B_O:  # the home accumulator is a view of the global result
-                st[b] = (out[r, q0:q1], lse[r, q0:q1])
-        state.append(st)
-    box = _Mailbox(prog)
-
-    def on(d, i, row):
-        op = row[0]
-        st = state[d]
-        if box.handle(d, row, st):
-            pass
-        elif op == ATTN:
-            c, qb, kb, ob = row[1:5]
-            o, l = kernels.attn_fwd(st[qb][0], st[kb][0], st[kb][1], vw.s[cq[c]], vw.s[ck[c]], _pieces(g, c), scale)
-            if ob not in st:  # a partial accumulator, created on first write
-                st[ob] = (o, l)
-            else:
-                kernels.merge_into(st[ob][0], st[ob][1], o, l)
-        elif op == MERGE:
-            dst, src = row[1], row[2]
-            kernels.merge_into(st[dst][0], st[dst][1], *st[src])
-            del st[src]
-        else:  # pragma: no cover - the verifier rejects other opcodes
-            raise RuntimeError(f"unexpected opcode {op} in forward")
-
-    cooperate(prog, FWD, on)
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(T, Hq, D, dtype=acc)
+    lse = torch.full((T, Hq), NEG_INF, dtype=acc)
+    _run_all(plan_ir, FWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale, q.dtype, timings)
     return out, lse
 
 
-def run_backward(plan_ir, q, k, v, out, lse, dout, scale: float):
-    """Execute the backward programs with the global out/lse. Returns fp32 (dq, dk, dv)."""
-    g, prog = plan_ir.graph, plan_ir.program
-    vw = _Views(g)
-    dq = torch.zeros(q.shape, dtype=torch.float32)
-    dk = torch.zeros(k.shape, dtype=torch.float32)
-    dv = torch.zeros(v.shape, dtype=torch.float32)
-    cq, ck = g.cb_q.tolist(), g.cb_k.tolist()
-    state = []
-    for d in range(prog.devices):
-        st = {}
-        for b, (kind, tb, hg, role, _, _) in enumerate(prog.buffers[BWD][d].tolist()):
-            if role != HOME:
-                continue
-            r, (h0, h1), (q0, q1) = vw.rows(tb), vw.kv[hg], vw.q[hg]
-            if kind == B_Q:
-                st[b] = (q[r, q0:q1], out[r, q0:q1], dout[r, q0:q1], lse[r, q0:q1])
-            elif kind == B_KV:
-                st[b] = (k[r, h0:h1], v[r, h0:h1])
-            elif kind == B_DQ:
-                st[b] = (dq[r, q0:q1],)
-            elif kind == B_DKV:
-                st[b] = (dk[r, h0:h1], dv[r, h0:h1])
-        state.append(st)
-    box = _Mailbox(prog)
-
-    def on(d, i, row):
-        op = row[0]
-        st = state[d]
-        if box.handle(d, row, st):
-            pass
-        elif op == ATTN_BWD:
-            c, qb, kb, dqb, dkvb = row[1:6]
-            qq, oo, do, ll = st[qb]
-            kk, vv = st[kb]
-            gq, gk, gv = kernels.attn_bwd(qq, kk, vv, oo, do, ll, vw.s[cq[c]], vw.s[ck[c]], _pieces(g, c), scale)
-            if dqb in st:
-                st[dqb][0].add_(gq)
-            else:
-                st[dqb] = (gq,)
-            if dkvb in st:
-                st[dkvb][0].add_(gk)
-                st[dkvb][1].add_(gv)
-            else:
-                st[dkvb] = (gk, gv)
-        elif op == ADD:
-            dst, src = row[1], row[2]
-            for a, b in zip(st[dst], st[src]):
-                a.add_(b)
-            del st[src]
-        else:  # pragma: no cover
-            raise RuntimeError(f"unexpected opcode {op} in backward")
-
-    cooperate(prog, BWD, on)
-    return dq, dk, dv
+def run_backward(plan_ir, q, k, v, out, lse, dout, scale: float, timings: Timings | None = None):
+    """Execute the backward programs with the global out/lse. Returns (dq, dk, dv)
+    in the accumulator dtype."""
+    acc = acc_dtype(q.dtype)
+    grads = {n: torch.zeros(t.shape, dtype=acc) for n, t in (("dq", q), ("dk", k), ("dv", v))}
+    _run_all(plan_ir, BWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, **grads}, scale,
+             q.dtype, timings)
+    return grads["dq"], grads["dk"], grads["dv"]
 
 
 class PlanAttention(torch.autograd.Function):
     """out = attention(q, k, v) under the plan's mask, computed block by block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan_ir, scale):
-        out, lse = run_forward(plan_ir, q.detach(), k.detach(), v.detach(), scale)
+    def forward(ctx, q, k, v, plan_ir, scale, timings=None):
+        out, lse = run_forward(plan_ir, q.detach(), k.detach(), v.detach(), scale, timings)
         res = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, res, lse)
-        ctx.plan_ir, ctx.scale = plan_ir, scale
+        ctx.plan_ir, ctx.scale, ctx.timings = plan_ir, scale, timings
         return res
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = run_backward(ctx.plan_ir, q, k, v, out, lse, dout.contiguous().to(q.dtype), ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = run_backward(ctx.plan_ir, q.detach(), k.detach(), v.detach(), out, lse,
+                                  dout.contiguous().to(q.dtype), ctx.scale, ctx.timings)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def execute(plan_ir, q, k, v, softmax_scale: float | None = None):
+def execute(plan_ir, q, k, v, softmax_scale: float | None = None, timings: Timings | None = None):
     check_inputs(plan_ir, q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return PlanAttention.apply(q, k, v, plan_ir, scale)
+    return PlanAttention.apply(q, k, v, plan_ir, scale, timings)

@@ -9,7 +9,7 @@ import pytest
 
 import attnplan
 from attnplan.backends.cost import PROFILES, get_profile, simulate
-from attnplan.ir.program import B_KV, FWD, RECVD, T_DST, T_KIND, T_PHASE, T_SRC, T_TB
+from attnplan.ir.program import B_KV, FWD, RECVD, T_DST, T_KIND, T_PHASE, T_TB
 from attnplan.ir.schedule import X_KV, XDST, XK, XSRC, XSTAGE, XTB
 from attnplan.ir.verify import needed_transfers
 

@@ -208,7 +208,7 @@ def test_ring_forward_before_it_arrives(ring):
 
 def test_ring_schedule_without_forwarding_source(ring):
     """A schedule whose hop starts at a device that never received the block."""
-    from attnplan.ir.schedule import XSRC, XK, X_KV, XSTAGE
+    from attnplan.ir.schedule import XK, X_KV, XSTAGE
     s = ring.ir.schedule
     x = s.xfer.copy()
     i = np.flatnonzero((x[:, XK] == X_KV) & (x[:, XSTAGE] == 2))[0]

@@ -1,0 +1,403 @@
+"""Distributed executor: one device per process over ``torch.distributed``.
+
+Device ``d`` of a plan is rank ``d`` of the process group (``group=None``:
+the default group). Each rank holds only its local tokens (its home token
+blocks in increasing order, see :mod:`attnplan.runtime.layout`) and runs its
+own forward and backward streams with the same
+:class:`~attnplan.runtime.runner.DeviceRunner` as the in-process executor,
+through :class:`TorchTransport`: every ``recv``/``send`` becomes a tagged
+``irecv``/``isend`` posted where the program posts it and waited where the
+program waits, so a stage's transfers run while earlier compute blocks run.
+A transfer is one message (the buffer's tensors packed into one flat
+allocation). Gloo matches messages by tag; a message's tag is the transfer's
+tag offset by a per-call *generation*, so transfers of two attention calls
+can never be mixed up even if autograd ran their backwards in different
+orders on different ranks. (NCCL ignores tags and matches by posting order
+per pair of ranks; the kernels are CPU-only for now, so CUDA tensors are
+refused before any transfer.)
+
+Backward transfers are issued by :class:`DistAttention`'s backward, a custom
+``torch.autograd.Function``, in the plan's order on every rank — never by
+autograd of collectives (whose order can differ between ranks and silently
+mix tensors: DESIGN.md).
+
+Checks, all before the plan's first transfer: the group has exactly
+``plan.devices`` ranks (:class:`PlanError`); inputs have this rank's token
+count, the plan's head counts and head dim, one floating dtype
+(:class:`ShapeError`); and, once per plan and group, a handshake (a gloo
+``monitored_barrier`` that names missing ranks, then an all_gather of a
+fingerprint of the plan, dtype and shapes) proves every rank holds the same
+plan and inputs of the same dtype and shape (:class:`PlanError` /
+:class:`ShapeError` naming the ranks that differ). A transfer that does not
+complete within ``timeout`` seconds, or whose peer died, raises
+:class:`TransportError` naming the peer and the transfer key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import PlanError, ShapeError
+from ..ir.interp import transfer_key
+from ..ir.program import BWD, FWD, PHASES
+from . import layout
+from .executor import check_inputs
+from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, pack
+from .transport import TransportError
+
+DEFAULT_TIMEOUT = float(os.environ.get("ATTNPLAN_TIMEOUT", "300"))
+_MAX_TAG = (1 << 31) - 1
+_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group as the plan sees it: ``rank`` = this process's device,
+    ``ranks[d]`` = the global rank of device ``d``."""
+
+    group: object
+    rank: int
+    ranks: tuple
+    backend: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def resolve_group(plan_ir, group=None) -> GroupInfo:
+    """Check that the process group fits the plan (before any transfer)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise PlanError(f"torch.distributed is not initialized, and the plan has {plan_ir.devices} devices: "
+                        f"call torch.distributed.init_process_group first (attnplan.execute runs every device "
+                        f"in one process)")
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise PlanError(f"this process (global rank {dist.get_rank()}) is not a member of the process group")
+    if size != plan_ir.devices:
+        raise PlanError(f"the plan was compiled for {plan_ir.devices} devices but the process group has {size} "
+                        f"ranks (rank {rank}); compile it with devices={size}")
+    ranks = tuple(range(size)) if group is None or group is dist.group.WORLD else \
+        tuple(dist.get_global_rank(group, i) for i in range(size))
+    return GroupInfo(group, rank, ranks, str(dist.get_backend(group)))
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
+
+
+class TorchTransport:
+    """``post_send``/``post_recv``/``wait`` over tagged ``isend``/``irecv``."""
+
+    def __init__(self, program, device: int, info: GroupInfo, generation: int, timeout: float):
+        self.program, self.device, self.info, self.timeout = program, device, info, timeout
+        self.base = generation * len(program.transfers)
+        self.pending: dict[int, tuple] = {}
+
+    def _tag(self, tag: int) -> int:
+        return (self.base + tag) % _MAX_TAG
+
+    def _fail(self, tag: int, peer: int, what: str, e: Exception) -> TransportError:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "closure" in msg.lower():  # gloo closes a pair after a timeout on it: the group is unusable
+            why = (f"the connection to peer device {peer} (rank {self.info.ranks[peer]}) was closed after an "
+                   f"earlier failure")
+        elif "closed" in msg.lower() or "reset" in msg.lower() or "broken pipe" in msg.lower():
+            why = f"peer device {peer} (rank {self.info.ranks[peer]}) died or closed its connection"
+        elif "timed out" in msg.lower() or "timeout" in msg.lower():
+            why = (f"peer device {peer} (rank {self.info.ranks[peer]}) did not {what} within {self.timeout:g} s "
+                   f"(it is stuck, slow, or runs another plan)")
+        else:
+            why = f"peer device {peer} (rank {self.info.ranks[peer]}) failed"
+        return TransportError(f"device {self.device} (rank {self.info.ranks[self.device]}): transfer "
+                              f"{transfer_key(self.program, tag)}: {why} [{msg[:160]}]")
+
+    def post_send(self, tag: int, peer: int, tensors, flat=None) -> None:
+        wire = flat if flat is not None else pack(tensors)  # one message a transfer
+        try:
+            works = [dist.isend(wire, self.info.ranks[peer], group=self.info.group, tag=self._tag(tag))]
+        except RuntimeError as e:
+            raise self._fail(tag, peer, "take the data", e) from None
+        self.pending[tag] = (works, wire, peer, "take the data")
+
+    def post_recv(self, tag: int, peer: int, tensors, flat=None) -> None:
+        if flat is None:  # pragma: no cover - the runner always receives into a flat buffer
+            raise PlanError("TorchTransport receives into packed buffers only")
+        try:
+            works = [dist.irecv(flat, self.info.ranks[peer], group=self.info.group, tag=self._tag(tag))]
+        except RuntimeError as e:
+            raise self._fail(tag, peer, "send the data", e) from None
+        self.pending[tag] = (works, flat, peer, "send the data")
+
+    def wait(self, tag: int) -> None:
+        works, _, peer, what = self.pending.pop(tag)
+        try:
+            for w in works:
+                w.wait(_td(self.timeout))
+        except RuntimeError as e:
+            raise self._fail(tag, peer, what, e) from None
+
+    def drain(self) -> None:
+        """Wait for whatever the stream posted and never waited for."""
+        for tag in sorted(self.pending):
+            self.wait(tag)
+
+
+class _LocalTransport:
+    """A one-device plan without torch.distributed: it has no transfers."""
+
+    def post_send(self, tag, peer, tensors, flat=None):  # pragma: no cover - no transfers in a one-device plan
+        raise PlanError("a one-device plan cannot send")
+
+    post_recv = post_send
+    wait = post_send
+
+    def drain(self) -> None:
+        pass
+
+
+# handshake ---------------------------------------------------------------------
+
+_HANDSHAKES: "OrderedDict[tuple, object]" = OrderedDict()  # key -> plan ir (kept alive: ids stay unique)
+_GENERATIONS: dict = {}
+
+
+def plan_fingerprint(plan) -> bytes:
+    """sha256 of the plan's canonical bytes (the deterministic part of its file)."""
+    return hashlib.sha256(plan.canonical_bytes()).digest()
+
+
+def handshake(plan, info: GroupInfo, q, k, timeout: float) -> None:
+    """Prove every rank of the group holds the same plan and inputs of the same
+    dtype and shape; once per (plan, group, dtype, shapes)."""
+    key = (id(plan.ir), id(info.group), info.ranks, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]))
+    if key in _HANDSHAKES:
+        _HANDSHAKES.move_to_end(key)
+        return
+    if info.size > 1:
+        if info.backend == "gloo":
+            try:
+                dist.monitored_barrier(info.group, timeout=_td(timeout), wait_all_ranks=True)
+            except RuntimeError as e:
+                msg = str(e).splitlines()[0]
+                raise TransportError(f"device {info.rank} (rank {info.ranks[info.rank]}): plan handshake: not every "
+                                     f"rank joined within {timeout:g} s [{msg[:200]}]") from None
+        h = np.frombuffer(plan_fingerprint(plan)[:16], dtype=np.int64)
+        mine = torch.tensor([int(h[0]), int(h[1]), _DTYPE_CODE[q.dtype], q.shape[1], q.shape[2], k.shape[1],
+                             k.shape[2], plan.devices], dtype=torch.int64)
+        allv = [torch.empty_like(mine) for _ in range(info.size)]
+        try:
+            w = dist.all_gather(allv, mine, group=info.group, async_op=True)
+            w.wait(_td(timeout))
+        except RuntimeError as e:
+            msg = str(e).splitlines()[0]
+            raise TransportError(f"device {info.rank} (rank {info.ranks[info.rank]}): plan handshake did not "
+                                 f"complete within {timeout:g} s [{msg[:200]}]") from None
+        rows = torch.stack(allv).tolist()
+        plans: dict = {}
+        for r, row in enumerate(rows):
+            plans.setdefault(tuple(row[:2]) + (row[7],), []).append(r)
+        if len(plans) > 1:
+            groups = "; ".join(f"device(s) {', '.join(map(str, rs))} hold plan {a & 0xffffffffffff:012x} "
+                               f"for {n} devices" for (a, _, n), rs in plans.items())
+            raise PlanError(f"device {info.rank}: the ranks hold different plans ({groups}); every rank must "
+                            f"run the same plan (same batch, mask, options and device count)")
+        shapes: dict = {}
+        names = {v: str(k_).replace("torch.", "") for k_, v in _DTYPE_CODE.items()}
+        for r, row in enumerate(rows):
+            shapes.setdefault((names[row[2]],) + tuple(row[3:7]), []).append(r)
+        if len(shapes) > 1:
+            desc = "; ".join(f"device(s) {', '.join(map(str, rs))}: {dt} q heads/dim {a}/{b}, kv {c}/{d}"
+                             for (dt, a, b, c, d), rs in shapes.items())
+            raise ShapeError(f"device {info.rank}: the ranks' inputs differ in dtype or shape ({desc})")
+    _HANDSHAKES[key] = plan.ir
+    while len(_HANDSHAKES) > 16:
+        _HANDSHAKES.popitem(last=False)
+
+
+def _next_generation(plan_ir, info: GroupInfo) -> int:
+    """A per-group call counter (every rank calls attention in the same order)."""
+    key = (id(info.group), info.ranks)
+    n = _GENERATIONS.get(key, 0)
+    _GENERATIONS[key] = n + 1
+    window = max(1, min(1 << 12, _MAX_TAG // max(1, len(plan_ir.program.transfers))))
+    return n % window
+
+
+# execution ---------------------------------------------------------------------------
+
+@dataclass
+class _Call:
+    """Everything one attention call's forward and backward need."""
+
+    ir: object
+    info: GroupInfo | None
+    device: int
+    generation: int
+    scale: float
+    timeout: float
+    timings: Timings | None
+    compute: bool = True
+
+    def run(self, phase: int, tensors: dict, dtype) -> None:
+        g, prog = self.ir.graph, self.ir.program
+        row0 = layout.local_row0(self.ir, self.device)
+        tr = _LocalTransport() if self.info is None else \
+            TorchTransport(prog, self.device, self.info, self.generation, self.timeout)
+        runner = DeviceRunner(g, prog, phase, self.device, home_bindings(g, prog, phase, self.device, tensors, row0),
+                              tr, self.scale, dtype, self.timings, self.compute)
+        runner.run()
+        tr.drain()
+
+
+class DistAttention(torch.autograd.Function):
+    """This rank's share of attention under the plan, forward and backward.
+
+    Forward returns the local out (input dtype); backward runs the plan's
+    backward stream with the merged local out and lse — each block's
+    backward needs the *global* softmax statistics of its rows, which the
+    home merge produced — and returns the local dq, dk, dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call):
+        T, Hq, D = q.shape
+        acc = acc_dtype(q.dtype)
+        out = torch.zeros(T, Hq, D, dtype=acc)
+        lse = torch.full((T, Hq), NEG_INF, dtype=acc)
+        call.run(FWD, {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out, "lse": lse}, q.dtype)
+        res = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, res, lse)
+        ctx.call = call
+        return res
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        acc = acc_dtype(q.dtype)
+        grads = {n: torch.zeros(t.shape, dtype=acc) for n, t in (("dq", q), ("dk", k), ("dv", v))}
+        ctx.call.run(BWD, {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out, "lse": lse,
+                           "dout": dout.contiguous().to(q.dtype), **grads}, q.dtype)
+        return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype), None
+
+
+def _prepare(plan, q, k, v, group, timeout):
+    ir = plan.ir
+    if ir.devices == 1 and not (dist.is_available() and dist.is_initialized()):
+        info, rank = None, 0
+    else:
+        info = resolve_group(ir, group)
+        rank = info.rank
+    check_inputs(ir, q, k, v, tokens=layout.local_tokens(ir, rank), where=f"device {rank}: ")
+    timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise PlanError(f"timeout must be positive seconds, got {timeout!r}")
+    if info is not None:
+        handshake(plan, info, q, k, timeout)
+    return ir, info, rank, timeout
+
+
+def attention(q, k, v, plan, group=None, *, softmax_scale: float | None = None, timeout: float | None = None,
+              timings: Timings | None = None):
+    """Attention of this rank's local tokens under ``plan``; autograd-aware.
+
+    ``q [T_local, Hq, D]``, ``k``/``v [T_local, Hkv, D]`` in the plan's local
+    layout (``plan.dispatch``). Returns the local output ``[T_local, Hq, D]``
+    in q's dtype. ``group``: the process group whose rank ``d`` is the plan's
+    device ``d`` (default: the default group). ``timeout``: seconds a transfer
+    may take before :class:`TransportError` (default ``$ATTNPLAN_TIMEOUT`` or
+    300). ``timings``: a :class:`~attnplan.runtime.runner.Timings` that
+    accumulates this rank's kernel, wait and wall seconds, forward and
+    backward. A one-device plan also runs without torch.distributed."""
+    ir, info, rank, timeout = _prepare(plan, q, k, v, group, timeout)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    gen = 0 if info is None else _next_generation(ir, info)
+    return DistAttention.apply(q, k, v, _Call(ir, info, rank, gen, scale, timeout, timings))
+
+
+def replay_comm(plan, q, k, v, group=None, timeout: float | None = None) -> dict:
+    """Run only the transfers of the plan's forward and backward streams (no
+    kernels; partials travel as zeros). Returns this rank's wall seconds per
+    phase: the plan's transfer time when nothing hides it."""
+    import time
+    ir, info, rank, timeout = _prepare(plan, q, k, v, group, timeout)
+    res = {}
+    for phase in (FWD, BWD):
+        call = _Call(ir, info, rank, 0 if info is None else _next_generation(ir, info), 1.0, timeout, None,
+                     compute=False)
+        T, Hq, D = q.shape
+        acc = acc_dtype(q.dtype)
+        t = {"q": q, "k": k, "v": v, "out": torch.zeros(T, Hq, D, dtype=acc if phase == FWD else q.dtype),
+             "lse": torch.zeros(T, Hq, dtype=acc), "dout": q, "dq": torch.zeros(q.shape, dtype=acc),
+             "dk": torch.zeros(k.shape, dtype=acc), "dv": torch.zeros(v.shape, dtype=acc)}
+        t0 = time.perf_counter()
+        call.run(phase, t, q.dtype)
+        res[PHASES[phase]] = time.perf_counter() - t0
+    return res
+
+
+# dispatch / undispatch ------------------------------------------------------------------
+
+def dispatch(plan_ir, x, rank: int):
+    """Rows of ``x`` (global token axis first) owned by ``rank``, in local order."""
+    idx = layout.local_index(plan_ir, rank)
+    T = plan_ir.problem.tokens
+    if not hasattr(x, "shape") or len(x.shape) < 1 or x.shape[0] != T:
+        raise ShapeError(f"dispatch: expected a tensor with the batch's {T} tokens first, got shape "
+                         f"{list(getattr(x, 'shape', [])) or type(x).__name__}")
+    if isinstance(x, torch.Tensor):
+        return x.index_select(0, torch.from_numpy(idx).to(x.device))
+    return np.asarray(x)[idx]
+
+
+class _Undispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan_ir, info: GroupInfo, timeout: float):
+        idx = [layout.local_index(plan_ir, d) for d in range(plan_ir.devices)]
+        n = max(len(i) for i in idx)
+        wire = x.detach().contiguous()
+        pad = torch.zeros((n,) + tuple(x.shape[1:]), dtype=x.dtype)
+        pad[:x.shape[0]] = wire
+        parts = [torch.empty_like(pad) for _ in range(info.size)]
+        try:
+            w = dist.all_gather(parts, pad, group=info.group, async_op=True)
+            w.wait(_td(timeout))
+        except RuntimeError as e:
+            raise TransportError(f"device {info.rank}: undispatch (all_gather of outputs) did not complete within "
+                                 f"{timeout:g} s [{str(e).splitlines()[0][:200]}]") from None
+        out = torch.empty((plan_ir.problem.tokens,) + tuple(x.shape[1:]), dtype=x.dtype)
+        for d, i in enumerate(idx):
+            out[torch.from_numpy(i)] = parts[d][:len(i)]
+        ctx.idx = torch.from_numpy(idx[info.rank])
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        # No collective in autograd: y_global is replicated, every rank computes the same
+        # function of it, and this rank's rows are its own share of the gradient.
+        return g.index_select(0, ctx.idx), None, None, None
+
+
+def undispatch(plan, x_local, group=None, timeout: float | None = None):
+    """Gather every rank's local rows into the global token order, on every rank."""
+    ir = plan.ir
+    if ir.devices == 1 and not (dist.is_available() and dist.is_initialized()):
+        if not isinstance(x_local, torch.Tensor) or x_local.shape[0] != ir.problem.tokens:
+            raise ShapeError(f"undispatch: expected {ir.problem.tokens} local rows, got "
+                             f"{list(getattr(x_local, 'shape', []))}")
+        return x_local.index_select(0, torch.from_numpy(layout.local_index(ir, 0)).argsort())
+    info = resolve_group(ir, group)
+    n = layout.local_tokens(ir, info.rank)
+    if not isinstance(x_local, torch.Tensor) or x_local.dim() < 1 or x_local.shape[0] != n:
+        raise ShapeError(f"undispatch: device {info.rank} holds {n} tokens, got shape "
+                         f"{list(getattr(x_local, 'shape', [])) or type(x_local).__name__}")
+    return _Undispatch.apply(x_local, ir, info, DEFAULT_TIMEOUT if timeout is None else float(timeout))

@@ -1,0 +1,77 @@
+"""Token ownership of a plan, seen from one device (numpy only, no torch).
+
+A device's *local layout* is its home token blocks in increasing order,
+concatenated: local row ``i`` holds global (packed) token ``local_index[i]``.
+Every per-token tensor of a training step on that device (embeddings, q, k,
+v, labels, loss weights) uses this layout, and positions for RoPE come from
+the same plan, so the attention layout, positions, labels and loss
+normalization cannot disagree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import PlanError
+
+POSITION_KINDS = ("sample", "global")
+
+
+def _device(ir, device) -> int:
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or not 0 <= device < ir.devices:
+        raise PlanError(f"rank {device!r} does not exist; the plan has devices 0..{ir.devices - 1}")
+    return int(device)
+
+
+def home_blocks(ir, device: int) -> np.ndarray:
+    """The token blocks homed on ``device``, increasing."""
+    return np.flatnonzero(ir.placement.home == _device(ir, device)).astype(np.int64)
+
+
+def local_index(ir, device: int) -> np.ndarray:
+    """Global token index of each local row of ``device`` (int64)."""
+    g = ir.graph
+    tbs = home_blocks(ir, device)
+    s, n = g.tb_start[tbs], g.tb_len[tbs]
+    if not len(tbs):
+        return np.zeros(0, np.int64)
+    base = np.repeat(s - (np.cumsum(n) - n), n)
+    return (np.arange(int(n.sum()), dtype=np.int64) + base).astype(np.int64)
+
+
+def local_tokens(ir, device: int) -> int:
+    return int(ir.graph.tb_len[home_blocks(ir, device)].sum())
+
+
+def local_row0(ir, device: int) -> np.ndarray:
+    """``row0[tb]``: the local row where home token block ``tb`` starts (−1 if
+    ``tb`` is not homed on ``device``)."""
+    g = ir.graph
+    tbs = home_blocks(ir, device)
+    row0 = np.full(g.n_tb, -1, np.int64)
+    n = g.tb_len[tbs]
+    row0[tbs] = np.cumsum(n) - n
+    return row0
+
+
+def sample_ids(ir, device: int) -> np.ndarray:
+    """The sample (document) each local token belongs to."""
+    off = ir.problem.offsets
+    return (np.searchsorted(off, local_index(ir, device), "right") - 1).astype(np.int64)
+
+
+def position_ids(ir, device: int, kind: str = "sample") -> np.ndarray:
+    """Positions of ``device``'s local tokens.
+
+    ``kind="sample"`` (the default): position inside the token's own sample,
+    0 at each sample start — what RoPE uses in packed training, so that a
+    document is encoded the same whether packed or alone (and what the mask
+    language's ``q``/``k`` mean). ``kind="global"``: position on the packed
+    axis (the global token index)."""
+    if kind not in POSITION_KINDS:
+        raise PlanError(f"position kind must be one of {', '.join(POSITION_KINDS)}, got {kind!r}")
+    idx = local_index(ir, device)
+    if kind == "global":
+        return idx
+    off = ir.problem.offsets
+    return idx - off[np.searchsorted(off, idx, "right") - 1]

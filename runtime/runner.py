@@ -1,0 +1,320 @@
+"""The per-device runner: executes one device's forward or backward stream.
+
+Both executors use it: the in-process one (:mod:`attnplan.runtime.executor`,
+every device in this process, an in-memory mailbox, driven by the
+cooperative walk of :mod:`attnplan.ir.interp`) and the distributed one
+(:mod:`attnplan.runtime.dist`, one device per process, torch.distributed).
+A runner is given
+
+* ``home``: its home buffers bound to tensors (views of the caller's q, k, v,
+  out, lse, dout, dq, dk, dv; see :func:`home_bindings`), and
+* a ``transport`` (:mod:`attnplan.runtime.transport`) with ``post_send``,
+  ``post_recv`` and ``wait`` — the three transfer instructions of
+  :mod:`attnplan.ir.program`, with their semantics: a posted send's tensors
+  are not modified until its ``wait``; a receive's tensors hold the data
+  after its ``wait``.
+
+Receive buffers are allocated from the buffer table when the receive is
+posted (:func:`buffer_shapes`: what each kind of buffer holds), all tensors
+of one buffer in one flat allocation so that a transfer is one message
+(:func:`packed_empty`; a send packs its tensors the same way); partial
+accumulators are created by their first write; a buffer that is not a home
+buffer is dropped after its last use in the stream. A ``send`` may forward a
+buffer that was received (ring traffic), a ``merge``/``add`` may target any
+buffer; a target that holds nothing yet takes a copy of the source.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import PlanError
+from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BK, BROLE, BTB, BHG, FWD, HOME, KINDS,
+                          MERGE, OPS, PHASES, RECV, SEND, WAIT)
+from . import kernels
+
+NEG_INF = float("-inf")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator dtype of partial outputs, lse and gradients (as the kernels)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class Timings:
+    """Seconds one device spent, summed over the runs it is passed to.
+
+    ``kernel``: attention kernels, merges and adds; ``wait``: blocked in
+    ``wait`` (transfer time not hidden behind compute); ``post``: posting
+    sends and receives (copies to contiguous buffers, the transport's own
+    launch cost); ``wall``: the whole stream, from the first instruction to
+    the last. ``wall - kernel - wait - post`` is the runner's own overhead."""
+
+    kernel: float = 0.0
+    wait: float = 0.0
+    post: float = 0.0
+    wall: float = 0.0
+    instructions: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    phases: dict = field(default_factory=dict)  # phase name -> wall seconds
+
+    def add(self, other: "Timings") -> None:
+        for f in ("kernel", "wait", "post", "wall", "instructions", "bytes_sent", "bytes_recv"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        for k, v in other.phases.items():
+            self.phases[k] = self.phases.get(k, 0.0) + v
+
+    def as_dict(self) -> dict:
+        return {"kernel_s": self.kernel, "wait_s": self.wait, "post_s": self.post, "wall_s": self.wall,
+                "overhead_s": self.wall - self.kernel - self.wait - self.post, "instructions": self.instructions,
+                "bytes_sent": self.bytes_sent, "bytes_recv": self.bytes_recv, "phases": dict(self.phases)}
+
+
+def buffer_shapes(graph, phase: int, kind: int, tb: int, hg: int, dtype: torch.dtype):
+    """Shapes and dtypes of the tensors a buffer holds (``buffer_bytes`` of
+    :mod:`attnplan.ir.program` counts the same): forward Q = q; KV = k, v;
+    O = out, lse (accumulator dtype); backward Q bundle = q, out, dout, lse;
+    dQ = dq; dKV = dk, dv (accumulator dtype)."""
+    p = graph.problem
+    rows = int(graph.tb_end[tb] - graph.tb_start[tb])
+    hkv = int(graph.hg_end[hg] - graph.hg_start[hg])
+    hq, d = hkv * p.group, p.head_dim
+    acc = acc_dtype(dtype)
+    if kind == B_Q:
+        if phase == FWD:
+            return (((rows, hq, d), dtype),)
+        return (((rows, hq, d), dtype),) * 3 + (((rows, hq), acc),)
+    if kind == B_KV:
+        return (((rows, hkv, d), dtype),) * 2
+    if kind == B_O:
+        return (((rows, hq, d), acc), ((rows, hq), acc))
+    if kind == B_DQ:
+        return (((rows, hq, d), acc),)
+    if kind == B_DKV:
+        return (((rows, hkv, d), acc),) * 2
+    raise PlanError(f"unknown buffer kind {kind}")
+
+
+_ALIGN = 16  # bytes: every tensor of a packed buffer starts at a multiple of this
+
+
+def _offsets(specs) -> tuple[list[int], int]:
+    offs, n = [], 0
+    for shape, dt in specs:
+        offs.append(n)
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+        n += -(-size // _ALIGN) * _ALIGN
+    return offs, n
+
+
+def packed_empty(specs, zero: bool = False):
+    """One flat uint8 tensor holding every tensor of ``specs`` (``[(shape,
+    dtype), ...]``) at aligned offsets, and the typed views into it: a buffer
+    that travels as one message."""
+    offs, n = _offsets(specs)
+    flat = (torch.zeros if zero else torch.empty)(n, dtype=torch.uint8)
+    views = []
+    for (shape, dt), o in zip(specs, offs):
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+        views.append(flat[o:o + size].view(dt).view(shape))
+    return flat, tuple(views)
+
+
+def pack(tensors) -> torch.Tensor:
+    """Copy ``tensors`` into one flat uint8 tensor laid out as :func:`packed_empty`."""
+    flat, views = packed_empty([(tuple(t.shape), t.dtype) for t in tensors])
+    for v, t in zip(views, tensors):
+        v.copy_(t)
+    return flat
+
+
+def home_bindings(graph, program, phase: int, device: int, tensors: dict, row0) -> dict:
+    """Bind ``device``'s home buffers of ``phase`` to views of ``tensors``.
+
+    ``tensors`` has ``q, k, v`` and, forward, ``out, lse`` (accumulators: 0 and
+    −inf); backward, ``out, dout, lse, dq, dk, dv`` (``dq/dk/dv`` zeros).
+    ``row0[tb]`` is the row where token block ``tb`` starts in them (its global
+    start for global tensors, its local offset for a rank's local tensors)."""
+    t = tensors
+    g = graph.problem.group
+    hs, he = graph.hg_start.tolist(), graph.hg_end.tolist()
+    st = {}
+    for b, (kind, tb, hg, role) in enumerate(program.buffers[phase][device][:, [BK, BTB, BHG, BROLE]].tolist()):
+        if role != HOME:
+            continue
+        r0 = int(row0[tb])
+        r = slice(r0, r0 + int(graph.tb_end[tb] - graph.tb_start[tb]))
+        h = slice(hs[hg], he[hg])
+        qh = slice(hs[hg] * g, he[hg] * g)
+        if kind == B_Q:
+            st[b] = (t["q"][r, qh],) if phase == FWD else \
+                (t["q"][r, qh], t["out"][r, qh], t["dout"][r, qh], t["lse"][r, qh])
+        elif kind == B_KV:
+            st[b] = (t["k"][r, h], t["v"][r, h])
+        elif kind == B_O:
+            st[b] = (t["out"][r, qh], t["lse"][r, qh])
+        elif kind == B_DQ:
+            st[b] = (t["dq"][r, qh],)
+        elif kind == B_DKV:
+            st[b] = (t["dk"][r, h], t["dv"][r, h])
+    return st
+
+
+def _last_use(code: np.ndarray, nbuf: int) -> np.ndarray:
+    """Index of the last instruction that names each buffer (−1: none)."""
+    last = np.full(nbuf, -1, np.int64)
+    for op in range(len(OPS)):
+        rows = np.flatnonzero(code[:, 0] == op)
+        if not len(rows):
+            continue
+        cols = {RECV: [3], SEND: [3], WAIT: [], ATTN: [2, 3, 4], MERGE: [1, 2], ATTN_BWD: [2, 3, 4, 5],
+                ADD: [1, 2]}[op]
+        for c in cols:
+            np.maximum.at(last, code[rows, c], rows)
+    return last
+
+
+class DeviceRunner:
+    """Executes ``program.code[phase][device]``, one instruction per :meth:`step`.
+
+    ``compute=False`` skips kernels, merges and adds (a communication-only
+    replay: partials that would have been computed are sent as zeros), which
+    measures the transfer time of the plan alone."""
+
+    def __init__(self, graph, program, phase: int, device: int, home: dict, transport, scale: float,
+                 dtype: torch.dtype, timings: Timings | None = None, compute: bool = True):
+        self.g, self.prog, self.phase, self.device = graph, program, phase, device
+        self.bufs = program.buffers[phase][device]
+        code = program.code[phase][device]
+        self.code = code.tolist()
+        self.st = dict(home)
+        self.flat: dict[int, torch.Tensor] = {}  # buffers allocated here: their one flat tensor
+        self.home = {int(b) for b in np.flatnonzero(self.bufs[:, BROLE] == HOME)}
+        self.transport, self.scale, self.dtype = transport, scale, dtype
+        self.compute = compute
+        self.timings = timings if timings is not None else Timings()
+        last = _last_use(code, len(self.bufs))
+        self.free_after: dict[int, list[int]] = {}
+        for b in np.flatnonzero(last >= 0).tolist():
+            if b not in self.home:
+                self.free_after.setdefault(int(last[b]), []).append(b)
+        self.cq, self.ck = graph.cb_q, graph.cb_k
+        self.tb_start = graph.tb_start
+        self.pc = 0
+        self._t0 = None
+
+    # buffers -----------------------------------------------------------------
+    def alloc(self, b: int, zero: bool = False):
+        """Buffer ``b``'s tensors, views into one flat allocation (kept in ``self.flat``)."""
+        kind, tb, hg = (int(x) for x in self.bufs[b][[BK, BTB, BHG]])
+        self.flat[b], views = packed_empty(buffer_shapes(self.g, self.phase, kind, tb, hg, self.dtype), zero)
+        return views
+
+    def _get(self, b: int, i: int):
+        try:
+            return self.st[b]
+        except KeyError:
+            if not self.compute:
+                self.st[b] = self.alloc(b, zero=True)
+                return self.st[b]
+            kind, tb, hg = self.bufs[b][[BK, BTB, BHG]].tolist()
+            raise PlanError(f"{PHASES[self.phase]} device {self.device} instruction {i} "
+                            f"({OPS[self.code[i][0]]}): buffer %{b} ({KINDS[kind]} tb={tb} hg={hg}) holds no data "
+                            f"yet") from None
+
+    # execution -----------------------------------------------------------------
+    def step(self, i: int, row) -> None:
+        """Execute instruction ``i`` (``row`` = its 6 ints)."""
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        op = row[0]
+        tm = self.timings
+        t0 = time.perf_counter()
+        if op == WAIT:
+            self.transport.wait(row[1])
+            tm.wait += time.perf_counter() - t0
+        elif op == RECV:
+            b = row[3]
+            self.st[b] = bufs = self.alloc(b)
+            self.transport.post_recv(row[1], row[2], bufs, self.flat[b])
+            tm.bytes_recv += sum(x.numel() * x.element_size() for x in bufs)
+            tm.post += time.perf_counter() - t0
+        elif op == SEND:
+            bufs = self._get(row[3], i)
+            self.transport.post_send(row[1], row[2], bufs, self.flat.get(row[3]))
+            tm.bytes_sent += sum(x.numel() * x.element_size() for x in bufs)
+            tm.post += time.perf_counter() - t0
+        elif self.compute:
+            self._compute(i, op, row)
+            tm.kernel += time.perf_counter() - t0
+        tm.instructions += 1
+        for b in self.free_after.get(i, ()):
+            self.st.pop(b, None)
+            self.flat.pop(b, None)
+        self.pc = i + 1
+        if self.pc == len(self.code):
+            self.finish()
+
+    def _compute(self, i: int, op: int, row) -> None:
+        st = self.st
+        if op == ATTN:
+            c, qb, kb, ob = row[1:5]
+            q = self._get(qb, i)[0]
+            k, v = self._get(kb, i)
+            o, lse = kernels.attn_fwd(q, k, v, int(self.tb_start[self.cq[c]]), int(self.tb_start[self.ck[c]]),
+                                      self.g.tile_pieces(int(self.g.cb_tile[c])), self.scale)
+            if ob in st:
+                kernels.merge_into(st[ob][0], st[ob][1], o, lse)
+            else:  # a partial accumulator, created by its first write
+                st[ob] = (o, lse)
+        elif op == ATTN_BWD:
+            c, qb, kb, dqb, dkvb = row[1:6]
+            q, out, dout, lse = self._get(qb, i)
+            k, v = self._get(kb, i)
+            gq, gk, gv = kernels.attn_bwd(q, k, v, out, dout, lse, int(self.tb_start[self.cq[c]]),
+                                          int(self.tb_start[self.ck[c]]),
+                                          self.g.tile_pieces(int(self.g.cb_tile[c])), self.scale)
+            if dqb in st:
+                st[dqb][0].add_(gq)
+            else:
+                st[dqb] = (gq,)
+            if dkvb in st:
+                st[dkvb][0].add_(gk)
+                st[dkvb][1].add_(gv)
+            else:
+                st[dkvb] = (gk, gv)
+        elif op in (MERGE, ADD):
+            dst, src = row[1], row[2]
+            s = self._get(src, i)
+            if dst not in st:
+                st[dst] = tuple(x.clone() for x in s)
+            elif op == MERGE:
+                kernels.merge_into(st[dst][0], st[dst][1], *s)
+            else:
+                for a, x in zip(st[dst], s):
+                    a.add_(x)
+        else:
+            raise PlanError(f"{PHASES[self.phase]} device {self.device} instruction {i}: "
+                            f"{OPS[op] if 0 <= op < len(OPS) else op} is not valid in {PHASES[self.phase]}")
+
+    def finish(self) -> None:
+        """End of the stream: record the wall time."""
+        if self._t0 is not None:
+            dt = time.perf_counter() - self._t0
+            self.timings.wall += dt
+            name = PHASES[self.phase]
+            self.timings.phases[name] = self.timings.phases.get(name, 0.0) + dt
+            self._t0 = None
+
+    def run(self) -> None:
+        """Execute the whole stream in order (a distributed device: waits block)."""
+        if not self.code:
+            return
+        for i, row in enumerate(self.code):
+            self.step(i, row)

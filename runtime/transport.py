@@ -1,0 +1,31 @@
+"""The transport interface the per-device runner uses, and its error.
+
+A transport moves the tensors of a buffer between two devices; the runner
+calls, for each transfer instruction of :mod:`attnplan.ir.program`:
+
+* ``post_send(tag, peer, tensors, flat)``: start sending ``tensors``; they
+  are not modified until ``wait(tag)`` returns; ``flat`` is None or one
+  uint8 tensor already holding them packed (a received buffer forwarded);
+* ``post_recv(tag, peer, tensors, flat)``: start receiving into ``tensors``
+  (allocated from the buffer table as views into the uint8 tensor ``flat``,
+  laid out by ``runner.packed_empty``);
+* ``wait(tag)``: block until transfer ``tag`` completed on this side.
+
+Implementations: the in-memory mailbox of the in-process executor
+(:mod:`attnplan.runtime.executor`) and tagged ``isend``/``irecv`` over
+torch.distributed (:mod:`attnplan.runtime.dist`). This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from ..errors import TransportError  # noqa: F401  (re-exported: the runtime raises it)
+
+
+class Transport(Protocol):
+    def post_send(self, tag: int, peer: int, tensors: Sequence, flat=None) -> None: ...
+
+    def post_recv(self, tag: int, peer: int, tensors: Sequence, flat=None) -> None: ...
+
+    def wait(self, tag: int) -> None: ...
