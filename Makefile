@@ -25,6 +25,7 @@ demo: $(STAMP)
 	$(BIN)/plan stats out/demo.plan
 	$(BIN)/plan run out/demo.plan --check --dtype float32
 	$(BIN)/plan run out/demo.plan --check --dtype bfloat16
+	$(BIN)/plan run out/demo.plan --procs 4 --check
 
 test: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
