@@ -176,3 +176,17 @@ def test_cli_compare_and_bench(tmp_path, capsys):
     assert (out / "pred_over_lb.png").stat().st_size > 0 and (out / "imbalance.png").stat().st_size > 0
     assert main(["bench", "--batches", str(batches), "--strategies", "nope", "--out", str(out)]) == 2
     assert "unknown strategy" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_usable_profile(tmp_path, capsys):
+    """plan calibrate measures the CPU kernel and gloo point-to-point rates
+    (two local processes) and writes a profile that --profile FILE.json reads."""
+    from attnplan.cli import main
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "-o", str(out), "--repeats", "1"]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["peak_flops"] > 1e8 and 0 < prof["launch_s"] < 1
+    assert prof["intra_bw"] > 1e6 and 0 < prof["intra_alpha"] < 1
+    plan = compile_("tile{block=256},zigzag,comm,emit")
+    assert plan.stats(str(out))["predicted_s"] > plan.stats("h100")["predicted_s"]  # a CPU is slower than an H100
+    assert "GFLOP/s" in capsys.readouterr().out
