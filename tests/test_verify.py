@@ -80,17 +80,21 @@ def test_drop_send(plan):
         verify(with_code(ir, FWD, d, rows[:i] + rows[i + 1:]))
 
 
-def test_wait_before_its_receive_is_posted(plan):
-    ir = plan.ir
+def wait_before_recv(ir):
+    """(device, tag, ir) where the device's first receive now comes after its wait."""
     d = device_with(ir, FWD, RECV)
     rows = rows_of(ir, FWD, d)
     r = next(i for i, x in enumerate(rows) if x[0] == RECV)
     tag = rows[r][1]
     w = next(i for i, x in enumerate(rows) if x[0] == WAIT and x[1] == tag)
-    wait = rows.pop(w)
-    rows.insert(r, wait)  # the wait now comes before the receive is launched
+    rows.insert(r, rows.pop(w))  # the wait now comes before the receive is launched
+    return d, tag, with_code(ir, FWD, d, rows)
+
+
+def test_wait_before_its_receive_is_posted(plan):
+    d, tag, bad = wait_before_recv(plan.ir)
     with pytest.raises(VerifyError, match=rf"invariant 5: deadlock in fwd: device {d} waits on t{tag} .*recv not posted"):
-        verify(with_code(ir, FWD, d, rows))
+        verify(bad)
 
 
 def test_read_before_receive_completes(plan):
@@ -176,13 +180,7 @@ def test_executor_reports_deadlock(plan):
     from attnplan.runtime.executor import execute
 
     ir = plan.ir
-    d = device_with(ir, FWD, RECV)
-    rows = rows_of(ir, FWD, d)
-    r = next(i for i, x in enumerate(rows) if x[0] == RECV)
-    tag = rows[r][1]
-    w = next(i for i, x in enumerate(rows) if x[0] == WAIT and x[1] == tag)
-    rows.insert(r, rows.pop(w))
-    bad = with_code(ir, FWD, d, rows)
+    d, tag, bad = wait_before_recv(ir)
     p = ir.problem
     q = torch.randn(p.tokens, p.heads, p.head_dim)
     kv = torch.randn(p.tokens, p.kv_heads, p.head_dim)
