@@ -60,9 +60,9 @@ class Plan:
     def problem(self) -> Problem:
         return self.ir.problem
 
-    def stats(self, profile: str | None = None) -> dict:
+    def stats(self, profile: str | None = None, sim: dict | None = None) -> dict:
         from .backends.stats import compute_stats
-        s = compute_stats(self.ir, self.measured.get("plan_s", 0.0), profile or self.meta.get("profile", "h100"))
+        s = compute_stats(self.ir, self.measured.get("plan_s", 0.0), profile or self.meta.get("profile", "h100"), sim)
         s["pipeline"] = self.meta.get("pipeline", "")
         return s
 

@@ -28,7 +28,8 @@ def _imbalance(x: np.ndarray) -> float:
     return float(np.max(x) / m) if m > 0 else 1.0
 
 
-def compute_stats(ir, plan_s: float = 0.0, profile: str = "h100") -> dict:
+def compute_stats(ir, plan_s: float = 0.0, profile: str = "h100", sim: dict | None = None) -> dict:
+    """``sim``: a ``simulate`` result for ``profile`` already at hand (the report reuses its recorded run)."""
     g, pl, prog, p = ir.graph, ir.placement, ir.program, ir.problem
     n = ir.devices
     flops = np.bincount(pl.cb_device, weights=g.cb_flops(), minlength=n).astype(np.int64)
@@ -41,7 +42,7 @@ def compute_stats(ir, plan_s: float = 0.0, profile: str = "h100") -> dict:
     fwd = X[:, T_PHASE] == FWD
     mem = [[int(b[:, BBYTES].sum()) for b in prog.buffers[ph]] for ph in (FWD, BWD)]
     prof = get_profile(profile)
-    sim = simulate(ir, prof)
+    sim = simulate(ir, prof) if sim is None else sim
     total_flops = int(flops.sum())
     lower = total_flops * (1 + prof.bwd_factor) / (n * prof.flops)
     return {

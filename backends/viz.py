@@ -282,7 +282,8 @@ def exposed_by_stage(plan, ev: dict, stage_of_cb: np.ndarray) -> dict:
     return out
 
 
-def timeline(plan, profile: str | None = None, max_spans: int = 20000, columns: int = 1600) -> dict:
+def timeline(plan, profile: str | None = None, max_spans: int = 20000, columns: int = 1600,
+             sim: dict | None = None) -> dict:
     """The simulated timeline per phase (``fwd``, ``bwd``): merged ``spans``
     (columns ``lane, dev, t0, t1, n, busy, key, a, b, bytes, peer, kind, tb``;
     ``key`` is the stage of compute spans, -1 for merges/adds; ``a``/``b`` the
@@ -294,7 +295,8 @@ def timeline(plan, profile: str | None = None, max_spans: int = 20000, columns: 
         raise PlanError("max_spans and columns must be positive")
     ir = plan.ir
     prof = get_profile(_profile(plan, profile))
-    sim = simulate(ir, prof, record=True)
+    if sim is None:
+        sim = simulate(ir, prof, record=True)
     n = ir.devices
     stage_of_cb = ir.schedule.cb_stage.astype(np.int64)
     out = {"profile": prof.name, "stages": int(ir.schedule.stages)}
@@ -361,9 +363,9 @@ _LOWER_IS_BETTER = {"compute imbalance": "compute_imbalance", "token imbalance":
 def panel_data(plan, profile: str | None = None, max_bins: int = 160, max_spans: int = 20000) -> dict:
     """Everything the report draws for one plan (numpy arrays and dicts)."""
     prof = _profile(plan, profile)
-    stats = plan.stats(prof)
-    return {"stats": stats, "mask": mask_cells(plan, max_bins), "bars": device_bars(plan),
-            "comm": comm_matrix(plan), "timeline": timeline(plan, prof, max_spans)}
+    sim = simulate(plan.ir, get_profile(prof), record=True)  # one run serves the stats and the timeline
+    return {"stats": plan.stats(prof, sim), "mask": mask_cells(plan, max_bins), "bars": device_bars(plan),
+            "comm": comm_matrix(plan), "timeline": timeline(plan, prof, max_spans, sim=sim)}
 
 
 # ----------------------------------------------------------------------------------------------

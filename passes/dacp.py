@@ -79,6 +79,7 @@ from ..ir.module import PlanIR
 from ..ir.placement import Placement
 from ..ir.problem import Problem
 from .base import Pass, register
+from .zigzag import chunk_bounds, zigzag_device
 
 DISTRIBUTED = -1
 
@@ -92,13 +93,12 @@ def doc_pairs(problem: Problem) -> np.ndarray:
 
 def zigzag_bounds(length: int, n: int) -> np.ndarray:
     """``2n + 1`` chunk boundaries of a document of ``length`` tokens (relative)."""
-    return (np.arange(2 * n + 1, dtype=np.int64) * length) // (2 * n)
+    return chunk_bounds(length, 2 * n)
 
 
 def zigzag_devices(n: int) -> np.ndarray:
     """Device of each of the 2n chunks: chunk j goes to j, or to 2n−1−j in the second half."""
-    j = np.arange(2 * n, dtype=np.int64)
-    return np.where(j < n, j, 2 * n - 1 - j)
+    return zigzag_device(np.arange(2 * n), n)
 
 
 def zigzag_share(length: int, n: int) -> np.ndarray:

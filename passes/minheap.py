@@ -34,12 +34,7 @@ from ..ir.mask import Q0, Q1, piece_counts, tighten
 from ..ir.module import PlanIR
 from ..ir.placement import Placement
 from .base import Pass, register
-
-
-def chunk_bounds(tokens: int, chunks: int) -> np.ndarray:
-    """``chunks + 1`` boundaries of an even split of ``[0, tokens)`` (sizes differ by at most one;
-    chunks are empty when ``chunks > tokens``)."""
-    return (np.arange(chunks + 1, dtype=np.int64) * tokens) // chunks
+from .zigzag import chunk_bounds
 
 
 def interval_pairs(pieces: np.ndarray, bounds: np.ndarray) -> np.ndarray:

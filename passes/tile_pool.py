@@ -52,6 +52,7 @@ from ..ir.module import PlanIR
 from ..ir.placement import Placement
 from ..ir.program import B_KV, B_O, B_Q, FWD, buffer_bytes
 from .base import Pass, register
+from .zigzag import chunk_bounds, zigzag_device
 
 MAX_AUTO_HEAD_GROUPS = 4  # more groups multiply blocks and transfers; sequence blocks already give the granularity
 
@@ -62,13 +63,13 @@ def split_homes(g: BlockGraph, devices: int, zigzag: bool = False) -> tuple[np.n
     of 2N). The cut points must be in ``g``'s token block boundaries."""
     T, n = g.problem.tokens, devices
     parts = 2 * n if zigzag else n
-    bounds = (np.arange(parts + 1, dtype=np.int64) * T) // parts
+    bounds = chunk_bounds(T, parts)
     return bounds, bounds_home(g.tb_start, bounds, n, zigzag)
 
 
 def bounds_home(tb_start: np.ndarray, bounds: np.ndarray, devices: int, zigzag: bool) -> np.ndarray:
     part = (np.searchsorted(bounds, tb_start, "right") - 1).astype(np.int64)
-    return np.where(part < devices, part, 2 * devices - 1 - part) if zigzag else part
+    return zigzag_device(part, devices) if zigzag else part
 
 
 def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: float,

@@ -17,8 +17,15 @@ from .base import Pass, register
 
 
 def chunk_bounds(tokens: int, chunks: int) -> np.ndarray:
-    """``chunks + 1`` boundaries of an even split of ``[0, tokens)``."""
+    """``chunks + 1`` boundaries of an even split of ``[0, tokens)`` (sizes differ
+    by at most one; chunks are empty when ``chunks > tokens``)."""
     return (np.arange(chunks + 1, dtype=np.int64) * tokens) // chunks
+
+
+def zigzag_device(chunk, n: int) -> np.ndarray:
+    """Device of zigzag chunk ``chunk`` of 2n: chunk j on device j, or 2n-1-j in the second half."""
+    chunk = np.asarray(chunk, dtype=np.int64)
+    return np.where(chunk < n, chunk, 2 * n - 1 - chunk)
 
 
 @register
@@ -34,6 +41,6 @@ class Zigzag(Pass):
         bounds = chunk_bounds(ir.problem.tokens, 2 * n)
         g = build_graph(ir.problem, np.concatenate([g.tb_start, bounds]), g.n_hg)
         chunk = np.searchsorted(bounds, g.tb_start, "right") - 1
-        home = np.where(chunk < n, chunk, 2 * n - 1 - chunk).astype(np.int64)
+        home = zigzag_device(chunk, n)
         pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=home[g.cb_q].copy())
         return ir.replace(graph=g, placement=pl, schedule=None, program=None)
