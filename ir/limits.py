@@ -1,0 +1,26 @@
+"""Stated limits on what attnplan accepts, checked where input enters (the API,
+the CLI, the mask language, batch files, plan files) so that no input can
+make it spend unbounded time or memory. Each limit is far above what a
+training cluster uses today; passing one gives one typed error naming it.
+
+Every consumer imports its number from here, so the README's table and the
+errors agree.
+"""
+
+MAX_TOKENS = 1 << 26            # tokens in one batch (67,108,864; issue 9 plans 4M)
+MAX_SAMPLES = 1 << 20           # samples (documents) in one batch
+MAX_DEVICES = 1024              # devices of one attention plan (CP group)
+MAX_HEADS = 1 << 12             # query heads, kv heads
+MAX_HEAD_DIM = 1 << 12          # head dimension
+MAX_BLOCK_SIZE = MAX_TOKENS     # token block size of the tile pass
+MAX_COMPUTE_BLOCKS = 300_000    # compute blocks a pipeline may create (PlanError beyond)
+MAX_MASK_PIECES = 1 << 22       # canonical mask pieces of one batch
+MAX_MASK_TEXT = 1 << 20         # characters of mask text
+MAX_MASK_INT = 1 << 62          # |integer literal| in mask text (the pieces' unbounded sentinel)
+MAX_BATCH_FILE = 256 << 20      # bytes of a batch file (JSON / JSONL)
+MAX_PLAN_FILE = 256 << 20      # bytes of a plan file on disk
+MAX_PLAN_BODY = 512 << 20      # bytes of a plan body after decompression
+MAX_INSTRUCTIONS = 1 << 26      # instructions of one program, all devices and phases
+MAX_RUN_BYTES = 16 << 30        # bytes of tensors `plan run` may allocate for a check
+
+__all__ = [n for n in dir() if n.startswith("MAX_")]

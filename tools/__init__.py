@@ -1,0 +1,1 @@
+"""Orchestration above the runtime: tools that compile, run and compare plans (compare, bench, prefetch, launch)."""
