@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # CPU build of torch unless the machine has CUDA (then pip's default, a CUDA build).
 TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -27,8 +27,19 @@ demo: $(STAMP)
 	$(BIN)/plan run out/demo.plan --check --dtype bfloat16
 	$(BIN)/plan run out/demo.plan --procs 4 --check
 
-test: $(STAMP)
+# lint + types, then every test: the fast tier and the slow one (processes, training, browser).
+test: lint
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m "not slow"
+
+# ruff, and mypy on the installed layout (the repository root is the package `attnplan`).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	@tmp=$$(mktemp -d) && ln -s "$(CURDIR)" "$$tmp/attnplan" && cd "$$tmp" && \
+		"$(CURDIR)/$(BIN)/mypy" --config-file "$(CURDIR)/pyproject.toml" --cache-dir "$(CURDIR)/$(VENV)/mypy-cache" \
+		--no-namespace-packages -p attnplan; rc=$$?; rm -rf "$$tmp"; exit $$rc
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -17,7 +17,7 @@ from .api import Plan, attention, compile, execute, load
 from .errors import (AttnplanError, BatchError, DeadlockError, MaskError, PlanError, PlanFileError, ShapeError,
                      TransportError, VerifyError)
 from .passes import strategies
-from .runtime.prefetch import PlanPrefetcher
+from .tools.prefetch import PlanPrefetcher
 
 __version__ = "0.1.0"
 

@@ -1,20 +1,127 @@
 """The ``plan`` command line. Every input error ends in one message on stderr
-and exit code 2; a failed ``--check`` exits 1."""
+and exit code 2; a failed ``--check`` exits 1.
+
+Numbers are checked where argparse reads them, against the stated limits of
+``ir/limits.py`` (an out-of-range value is a one-line usage error, exit 2);
+an output path is checked before any work starts, and ``-o -`` writes to
+standard output (the plan file's bytes, the profile's JSON, the report's
+HTML; the one-line summary then goes to stderr)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 import time
+from pathlib import Path
 
 from .errors import AttnplanError, PlanError
+from .ir import limits
+
+STDOUT = "-"
+MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes 0..2^64-1
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse prints usage too; we keep it short)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+
+# ------------------------------------------------------------------ argparse types (checked where read)
+
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in ``lo..hi``."""
+    def parse(text: str) -> int:
+        t = text.strip()
+        if not re.fullmatch(r"[+-]?[0-9]+", t):
+            raise argparse.ArgumentTypeError(f"expected an integer in {lo:,}..{hi:,}, got {text[:40]!r}")
+        digits = len(t.lstrip("+-"))
+        if digits > 30:  # far outside every range here; int() of >4300 digits would raise
+            raise argparse.ArgumentTypeError(f"must be an integer in {lo:,}..{hi:,}, got a {digits}-digit number")
+        v = int(t)
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in {lo:,}..{hi:,}, got {v:,}")
+        return v
+    parse.__name__ = "int"
+    return parse
+
+
+def _device_counts(text: str) -> list[int]:
+    """An argparse type: comma-separated device counts, each in 1..MAX_DEVICES."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated device counts, e.g. 8,32, got {text[:40]!r}")
+    return [_int_in(1, limits.MAX_DEVICES)(p) for p in parts]
+
+
+def _mask_list(text: str) -> list[str]:
+    """An argparse type: masks separated by ';', at least one."""
+    masks = [m.strip() for m in text.split(";") if m.strip()]
+    if not masks:
+        raise argparse.ArgumentTypeError("no mask given (separate masks by ';', e.g. 'causal;sliding_window(512)')")
+    return masks
+
+
+POSITIVE_DEVICES = _int_in(1, limits.MAX_DEVICES)
+
+
+# ------------------------------------------------------------------ outputs
+
+def _check_output(path: str, what: str, binary: bool = False) -> None:
+    """Fail before any work when ``path`` cannot be written: a folder, or in a
+    folder that does not exist; ``-`` (stdout) must not be a terminal for binary data."""
+    if path == STDOUT:
+        if binary and sys.stdout.isatty():
+            raise PlanError(f"-o -: refusing to write a binary {what} to a terminal; pipe or redirect it")
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise PlanError(f"{path}: cannot write {what}: it is a directory")
+    if not p.parent.is_dir():
+        raise PlanError(f"{path}: cannot write {what}: folder {p.parent} does not exist")
+
+
+def _write_output(path: str, data: bytes | str, what: str) -> str:
+    """Write ``data`` to ``path``, or to stdout for ``-``; returns the name to report."""
+    if path == STDOUT:
+        if isinstance(data, bytes):
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        else:
+            sys.stdout.write(data)
+            sys.stdout.flush()
+        return "<stdout>"
+    try:
+        if isinstance(data, bytes):
+            Path(path).write_bytes(data)
+        else:
+            Path(path).write_text(data, encoding="utf-8")
+    except OSError as e:
+        raise PlanError(f"{path}: cannot write {what}: {e.strerror or e}") from None
+    return path
+
+
+def _summary_stream(path: str):
+    """Where a command's one-line summary goes: stderr when stdout carries the output."""
+    return sys.stderr if path == STDOUT else sys.stdout
+
+
+def _out_dir(path: str) -> Path:
+    """A folder for several output files, created if missing (PlanError if it cannot be)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise PlanError(f"{path}: not a folder (--out names a folder for bench.json, summary.txt and plots)")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlanError(f"{path}: cannot create folder: {e.strerror or e}") from None
+    return p
+
+
+# ------------------------------------------------------------------ shared options
 
 def _batch_args(p):
     src = p.add_mutually_exclusive_group(required=True)
@@ -30,16 +137,16 @@ def _load_batch(args):
     return b.seqlens, b.segments
 
 
-def _shape_args(p, nodes: bool = True):
+def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, a100, cpu-local, or FILE.json"):
     """Model and machine shape options shared by compile-like commands."""
     if nodes:
-        p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=2048)
+        p.add_argument("--nodes", type=POSITIVE_DEVICES, default=1)
+    p.add_argument("--heads", type=_int_in(1, limits.MAX_HEADS), default=8)
+    p.add_argument("--kv-heads", type=_int_in(1, limits.MAX_HEADS), default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=_int_in(1, limits.MAX_HEAD_DIM), default=64)
+    p.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--profile", default="h100", help="cost profile: h100, a100, cpu-local, or FILE.json")
+    p.add_argument("--profile", default="h100", help=profile_help)
 
 
 def _strategy_list(text: str) -> list[str]:
@@ -54,27 +161,24 @@ def _strategy_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="plan", description="attnplan: compile, inspect and run distributed attention plans")
+    ap = _Parser(prog="plan", description="attnplan: compile, inspect and run distributed attention plans. "
+                 "Sizes are bounded by attnplan/ir/limits.py; -o - writes to standard output.")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     c = sub.add_parser("compile", help="compile a batch and a mask into a plan file")
     _batch_args(c)
     c.add_argument("--mask", default="causal", help="builtin name, mask expression, or FILE.mask (default: causal)")
-    c.add_argument("--devices", type=int, required=True)
-    c.add_argument("--nodes", type=int, default=1)
-    c.add_argument("--heads", type=int, default=8)
-    c.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    c.add_argument("--head-dim", type=int, default=64)
-    c.add_argument("--block-size", type=int, default=2048)
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    c.add_argument("--memory-cap", type=int, default=None, help="bytes of buffers per device and phase")
-    c.add_argument("--profile", default="h100", help="cost profile for predicted times (h100, a100, cpu-local)")
+    c.add_argument("--devices", type=POSITIVE_DEVICES, required=True, help=f"devices, 1..{limits.MAX_DEVICES}")
+    _shape_args(c, profile_help="cost profile for predicted times (h100, a100, cpu-local, or FILE.json)")
+    c.add_argument("--memory-cap", type=_int_in(1, limits.MAX_MEMORY_CAP), default=None,
+                   help="bytes of buffers per device and phase")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--strategy", default="zigzag")
     g.add_argument("--pipeline", help="pass pipeline, e.g. 'tile{block=1024},zigzag,comm,emit'")
     c.add_argument("--no-verify", action="store_true", help="skip the verifier between passes")
     c.add_argument("-v", "--verbose", action="store_true", help="print each pass and its time")
-    c.add_argument("-o", "--output", required=True, help="plan file to write")
+    c.add_argument("-o", "--output", required=True,
+                   help="plan file to write; - writes its bytes to stdout (not to a terminal), the summary to stderr")
 
     s = sub.add_parser("stats", help="statistics of a plan")
     s.add_argument("plan")
@@ -85,13 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("plan")
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     r.add_argument("--check", action="store_true", help="compare outputs and gradients with dense masked attention")
-    r.add_argument("--devices", type=int, default=None, help="expected device count (error if the plan differs)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--procs", type=int, default=None,
+    r.add_argument("--devices", type=POSITIVE_DEVICES, default=None,
+                   help="expected device count (error if the plan differs)")
+    r.add_argument("--seed", type=_int_in(0, MAX_SEED), default=0, help="seed of the random inputs, 0..2^64-1")
+    r.add_argument("--procs", type=POSITIVE_DEVICES, default=None,
                    help="run on N local processes (gloo), one per device; under torchrun (RANK and WORLD_SIZE set) "
                         "this process runs as that rank")
     r.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a transfer may take before the run fails naming the peer (multi-process runs)")
+                   help=f"seconds a transfer may take before the run fails naming the peer (multi-process runs; "
+                        f"finite, at most {limits.MAX_TIMEOUT_S})")
 
     sh = sub.add_parser("show", help="text form of a plan's programs")
     sh.add_argument("plan")
@@ -101,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("compare", help="compile several strategies on one batch, side by side")
     _batch_args(cp)
     cp.add_argument("--mask", default="causal")
-    cp.add_argument("--devices", type=int, required=True)
+    cp.add_argument("--devices", type=POSITIVE_DEVICES, required=True)
     _shape_args(cp)
     cp.add_argument("--strategies", default="all", help="comma-separated strategy names, or all")
     cp.add_argument("--json", action="store_true")
@@ -110,25 +216,31 @@ def build_parser() -> argparse.ArgumentParser:
     bn = sub.add_parser("bench", help="every strategy over a workload file: table, JSON, plots")
     bn.add_argument("--batches", default=None, help="JSONL of batches (default: ../shared/workloads/batches.jsonl)")
     bn.add_argument("--names", default=None, help="comma-separated batch names to keep")
-    bn.add_argument("--masks", default="causal", help="masks separated by ';', e.g. 'causal;streaming(64,4096)'")
-    bn.add_argument("--devices", default="8,32", help="comma-separated device counts (8 devices a node)")
+    bn.add_argument("--masks", type=_mask_list, default="causal",
+                    help="masks separated by ';', e.g. 'causal;streaming(64,4096)'")
+    bn.add_argument("--devices", type=_device_counts, default="8,32",
+                    help=f"comma-separated device counts, each 1..{limits.MAX_DEVICES} (8 devices a node)")
     bn.add_argument("--strategies", default="all")
     _shape_args(bn, nodes=False)
-    bn.add_argument("--out", default="out/bench", help="folder for bench.json, summary.txt and PNG plots")
+    bn.add_argument("--out", default="out/bench", help="folder for bench.json, summary.txt and PNG plots "
+                    "(created if missing; an existing file is an error)")
     bn.add_argument("--no-progress", action="store_true")
 
     cal = sub.add_parser("calibrate", help="measure this machine's kernel and gloo rates into a cost profile")
-    cal.add_argument("-o", "--output", default="cpu-calibrated.json")
-    cal.add_argument("--repeats", type=int, default=5)
+    cal.add_argument("-o", "--output", default="cpu-calibrated.json",
+                     help="profile JSON to write (its folder must exist); - writes it to stdout")
+    cal.add_argument("--repeats", type=_int_in(1, limits.MAX_REPEATS), default=5,
+                     help=f"repeats of each measurement, 1..{limits.MAX_REPEATS}")
 
     m = sub.add_parser("mask", help="ASCII picture of a mask over a small batch")
     m.add_argument("mask")
     _batch_args(m)
-    m.add_argument("--width", type=int, default=64)
+    m.add_argument("--width", type=_int_in(1, limits.MAX_MASK_WIDTH), default=64,
+                   help=f"columns, 1..{limits.MAX_MASK_WIDTH} (at most one a token)")
 
     vz = sub.add_parser("viz", help="visual report of a plan: one self-contained HTML file and/or PNG pictures")
     vz.add_argument("plan")
-    vz.add_argument("-o", "--output", default=None, help="HTML report to write, e.g. report.html")
+    vz.add_argument("-o", "--output", default=None, help="HTML report to write, e.g. report.html; - writes to stdout")
     vz.add_argument("--png", default=None, metavar="DIR", help="write mask/bars/comm/timeline PNGs into DIR")
     vz.add_argument("--profile", default=None, help="cost profile for the timeline (default: the plan's)")
 
@@ -141,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_compile(args) -> int:
     from .api import compile as compile_plan
+    _check_output(args.output, "plan file", binary=True)
     seqlens, segments = _load_batch(args)
 
     def show(p, ir, dt):
@@ -151,14 +264,12 @@ def _cmd_compile(args) -> int:
                         block_size=args.block_size, pipeline=args.pipeline, dtype=args.dtype,
                         memory_cap=args.memory_cap, verify=not args.no_verify, profile=args.profile,
                         instruments=(show,) if args.verbose else ())
-    try:
-        plan.save(args.output)
-    except OSError as e:
-        raise PlanError(f"{args.output}: cannot write plan file: {e.strerror or e}") from None
+    where = _write_output(args.output, plan.to_bytes(), "plan file")
     s = plan.stats()
-    print(f"wrote {args.output}: {s['devices']} devices, {s['tokens']} tokens, compute imbalance "
+    print(f"wrote {where}: {s['devices']} devices, {s['tokens']} tokens, compute imbalance "
           f"{s['compute_imbalance']:.3f}, comm {s['comm_bytes_total'] / 1e6:.2f} MB, predicted "
-          f"{s['predicted_s'] * 1e3:.3f} ms, planned in {s['plan_s']:.3f} s")
+          f"{s['predicted_s'] * 1e3:.3f} ms, planned in {s['plan_s']:.3f} s",
+          file=_summary_stream(args.output))
     return 0
 
 
@@ -170,19 +281,43 @@ def _cmd_stats(args) -> int:
     return 0
 
 
+def run_bytes(problem, dtype: str, check: bool) -> int:
+    """Bytes of the global tensors one ``plan run`` process allocates: q, k, v,
+    the output gradient, out, dq, dk, dv in ``dtype`` and, with ``--check``,
+    the float64 reference out, dq, dk, dv (a lower bound of its memory).
+    Python ints: no overflow, whatever the plan declares."""
+    per_token = int(problem.head_dim) * (int(problem.heads) + int(problem.kv_heads))  # one q row + one k row
+    elems = int(problem.tokens) * per_token
+    item = {"float32": 4, "bfloat16": 2}[dtype]
+    return 4 * elems * item + (2 * elems * 8 if check else 0)
+
+
+def _check_run_size(plan, dtype: str, check: bool, procs: int) -> None:
+    """Refuse, before allocating anything, a run over MAX_RUN_BYTES (every
+    process of ``--procs`` builds the global inputs)."""
+    need = procs * run_bytes(plan.problem, dtype, check)
+    if need > limits.MAX_RUN_BYTES:
+        each = f" in each of {procs} processes" if procs > 1 else ""
+        raise PlanError(f"plan run would allocate about {need / 2 ** 30:,.1f} GiB of tensors (q, k, v and their "
+                        f"gradients, {dtype}{', the float64 reference' if check else ''}{each}; "
+                        f"{plan.problem.tokens:,} tokens), over the limit of {limits.MAX_RUN_BYTES / 2 ** 30:g} GiB "
+                        f"(MAX_RUN_BYTES in ir/limits.py)")
+
+
 def _cmd_run(args) -> int:
     import os
 
     from .api import load
-    from .runtime import launch
-    from .runtime.check import check_plan, run_plan
-    if not args.timeout > 0:
-        raise PlanError(f"--timeout must be positive seconds, got {args.timeout}")
+    from .tools import launch
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= limits.MAX_TIMEOUT_S):
+        raise PlanError(f"--timeout must be positive finite seconds, at most {limits.MAX_TIMEOUT_S:,}, "
+                        f"got {args.timeout}")
     if launch.in_rank_mode():  # torchrun, or a process started by --procs
         if args.procs is not None and str(args.procs) != os.environ["WORLD_SIZE"]:
             raise PlanError(f"--procs {args.procs} differs from WORLD_SIZE={os.environ['WORLD_SIZE']}")
         if args.devices is not None and str(args.devices) != os.environ["WORLD_SIZE"]:
             raise PlanError(f"--devices {args.devices} differs from WORLD_SIZE={os.environ['WORLD_SIZE']}")
+        _check_run_size(load(args.plan), args.dtype, args.check, 1)
         return launch.run_rank(args.plan, args.dtype, args.seed, args.check, args.timeout)
     plan = load(args.plan)
     if args.devices is not None and args.devices != plan.devices:
@@ -191,8 +326,11 @@ def _cmd_run(args) -> int:
         if args.procs != plan.devices:
             raise PlanError(f"{args.plan} was compiled for {plan.devices} devices; --procs must be {plan.devices}, "
                             f"got {args.procs}")
+        _check_run_size(plan, args.dtype, args.check, args.procs)
         return launch.launch([str(args.plan), "--dtype", args.dtype, "--seed", str(args.seed), "--timeout",
                               repr(args.timeout)] + (["--check"] if args.check else []), args.procs)
+    _check_run_size(plan, args.dtype, args.check, 1)
+    from .runtime.check import check_plan, run_plan  # imports torch (~2 s): after every check
     t0 = time.perf_counter()
     if not args.check:
         run_plan(plan, args.dtype, args.seed)
@@ -214,9 +352,9 @@ def _cmd_show(args) -> int:
             plan.to_text(args.device)  # validates the device
         ir = plan.ir
         print(ir.problem.to_text())
-        print(ir.graph.to_text())
-        print(ir.placement.to_text())
-        print(ir.schedule.to_text())
+        print(ir.need_graph().to_text())
+        print(ir.need_placement().to_text())
+        print(ir.need_schedule().to_text())
     sys.stdout.write(plan.to_text(args.device))
     return 0
 
@@ -224,10 +362,8 @@ def _cmd_show(args) -> int:
 def _cmd_mask(args) -> int:
     from .frontend import load_mask, render
     seqlens, segments = _load_batch(args)
-    if args.width <= 0:
-        raise PlanError(f"--width must be positive, got {args.width}")
     if sum(seqlens) > 4096:
-        raise PlanError(f"plan mask draws small batches (at most 4096 tokens); this one has {sum(seqlens)}")
+        raise PlanError(f"plan mask draws small batches (at most 4096 tokens); this one has {sum(seqlens):,}")
     print(render(load_mask(args.mask), seqlens, segments, width=args.width))
     return 0
 
@@ -237,17 +373,16 @@ def _cmd_viz(args) -> int:
     from .backends.viz import render_html, write_pngs
     if args.output is None and args.png is None:
         raise PlanError("plan viz needs -o REPORT.html and/or --png DIR")
+    if args.output is not None:
+        _check_output(args.output, "report")
     plan = load(args.plan)
     if args.output is not None:
         text = render_html(plan, args.profile)
-        try:
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            raise PlanError(f"{args.output}: cannot write report: {e.strerror or e}") from None
-        print(f"wrote {args.output} ({len(text.encode()) / 1e6:.2f} MB)")
+        where = _write_output(args.output, text, "report")
+        print(f"wrote {where} ({len(text.encode()) / 1e6:.2f} MB)", file=_summary_stream(args.output))
     if args.png is not None:
-        print("wrote " + ", ".join(str(p) for p in write_pngs(plan, args.png, args.profile)))
+        print("wrote " + ", ".join(str(p) for p in write_pngs(plan, args.png, args.profile)),
+              file=_summary_stream(args.output))
     return 0
 
 
@@ -259,19 +394,23 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from .backends.compare import compare, format_rows
+    from .api import check_options
+    from .tools.compare import compare, format_rows
+    if args.html == STDOUT:
+        raise PlanError("--html -: the table goes to stdout; give the report a file name")
+    if args.html is not None:
+        _check_output(args.html, "report")
     seqlens, segments = _load_batch(args)
-    rows, plans = compare(_strategy_list(args.strategies), seqlens=seqlens, segments=segments, mask=args.mask,
+    strategies = _strategy_list(args.strategies)
+    check_options(devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
+                  head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype, profile=args.profile)
+    rows, plans = compare(strategies, seqlens=seqlens, segments=segments, mask=args.mask,
                           devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
                           head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype,
                           profile=args.profile)
     if args.html:
         from .backends.viz import render_compare_html
-        try:
-            with open(args.html, "w") as f:
-                f.write(render_compare_html(list(plans.items())))
-        except OSError as e:
-            raise PlanError(f"{args.html}: cannot write report: {e.strerror}") from None
+        _write_output(args.html, render_compare_html(list(plans.items())), "report")
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -281,21 +420,42 @@ def _cmd_compare(args) -> int:
     return 0
 
 
-def _cmd_bench(args) -> int:
+def _bench_batches(args) -> str:
+    """The workload file, and every ``--names`` entry present in it (BatchError otherwise)."""
     import os
-    from .backends.bench import bench
+
+    from .frontend import load_batch
     path = args.batches or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "workloads",
                                         "batches.jsonl")
     if not os.path.isfile(path):
         raise PlanError(f"batch file not found: {path} (give --batches FILE)")
-    try:
-        devices = [int(x) for x in args.devices.split(",")]
-    except ValueError:
-        raise PlanError(f"--devices must be comma-separated integers, got {args.devices!r}") from None
-    masks = [m.strip() for m in args.masks.split(";") if m.strip()]
-    res = bench(path, masks, devices, _strategy_list(args.strategies), args.out,
-                names=args.names.split(",") if args.names else None, heads=args.heads, kv_heads=args.kv_heads,
-                head_dim=args.head_dim, block_size=args.block_size, profile=args.profile,
+    for name in _names(args.names) or ():
+        load_batch(f"{path}:{name}")  # "no batch named ..., known: ..."
+    return path
+
+
+def _names(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise PlanError(f"--names must list batch names separated by ',', got {text[:40]!r}")
+    return names
+
+
+def _cmd_bench(args) -> int:
+    from .api import check_options
+    from .frontend import load_mask
+    from .tools.bench import bench
+    path = _bench_batches(args)
+    strategies = _strategy_list(args.strategies)
+    for mask in args.masks:  # a typo fails now, not after minutes of benchmarking
+        load_mask(mask)
+    check_options(devices=1, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                  block_size=args.block_size, dtype=args.dtype, profile=args.profile)
+    out = _out_dir(args.out)
+    res = bench(path, args.masks, args.devices, strategies, out, names=_names(args.names), heads=args.heads,
+                kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size, profile=args.profile,
                 show_progress=not args.no_progress)
     print(res["text"])
     print("wrote " + ", ".join(str(f) for f in res["files"]))
@@ -303,11 +463,13 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
-    from .runtime.calibrate import write_profile
-    prof = write_profile(args.output, args.repeats)
-    print(f"wrote {args.output}: kernel {prof['peak_flops'] / 1e9:.1f} GFLOP/s (bf16, 1 thread), launch "
+    from .runtime.calibrate import calibrate
+    _check_output(args.output, "cost profile")
+    prof = calibrate(args.repeats)
+    where = _write_output(args.output, json.dumps(prof, indent=1) + "\n", "cost profile")
+    print(f"wrote {where}: kernel {prof['peak_flops'] / 1e9:.1f} GFLOP/s (bf16, 1 thread), launch "
           f"{prof['launch_s'] * 1e6:.1f} us, gloo {prof['intra_bw'] / 1e9:.2f} GB/s, latency "
-          f"{prof['intra_alpha'] * 1e6:.0f} us")
+          f"{prof['intra_alpha'] * 1e6:.0f} us", file=_summary_stream(args.output))
     return 0
 
 

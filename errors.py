@@ -1,9 +1,34 @@
 """Typed exceptions. The CLI turns every ``AttnplanError`` into one line on
 stderr and exit code 2; the API raises them as they are."""
 
+from __future__ import annotations
+
+
+def _rebuild(cls: type[AttnplanError], args: tuple, fields: dict) -> AttnplanError:
+    """Unpickle an error without calling ``__init__`` (subclasses take other
+    arguments than their message): the same class, message and fields."""
+    err = Exception.__new__(cls)
+    err.args = args
+    err.__dict__.update(fields)
+    return err
+
 
 class AttnplanError(Exception):
-    """Base class of every error caused by bad input."""
+    """Base class of every error caused by bad input.
+
+    Errors keep their class, message and fields (``MaskError.line`` ...)
+    when pickled, so they cross processes (a ``PlanPrefetcher`` worker)
+    unchanged."""
+
+    def __reduce__(self):
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+    def with_prefix(self, prefix: str) -> "AttnplanError":
+        """A copy (same class and fields) whose message starts with ``prefix``,
+        e.g. ``"batch 7: "``."""
+        err = _rebuild(type(self), self.args, dict(self.__dict__))
+        err.args = (prefix + str(self),)
+        return err
 
 
 class MaskError(AttnplanError):

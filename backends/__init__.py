@@ -1,3 +1,3 @@
-"""Backends: emit per-device programs, serialize plans, simulate them."""
-
-from . import emit  # noqa: F401  (registers the emit pass)
+"""Backends: serialize plans (planfile), predict their time (cost), report
+on them (stats, explain, viz). Lowering to programs is the ``emit`` pass
+(:mod:`attnplan.passes.emit`)."""

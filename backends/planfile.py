@@ -1,17 +1,28 @@
 """The plan file: ``MAGIC | version u16 | flags u16 | body length u64 |
 sha256(body) | body``, where the body is zlib-compressed msgpack of plain
-maps, lists, numbers, strings and raw array bytes. Loading checks each
-layer (magic, version, length, checksum, schema) and then runs the verifier;
-nothing is ever unpickled.
+maps, lists, numbers, strings and raw array bytes. Nothing is ever unpickled.
 
-Everything in the body but ``measured`` (the wall time of the compile) is a
-pure function of the compile inputs, so the same inputs give the same bytes
-there; ``canonical_bytes`` leaves ``measured`` out.
+The file is a pure function of the compile inputs: it holds the IR and the
+plan's metadata (pipeline, strategy, block size, builtin cost profile, auto's
+candidates) and no timing, so compiling the same inputs twice gives the same
+bytes. The body inflates to exactly :func:`canonical_bytes`.
+
+Loading is bounded by the stated limits (:mod:`attnplan.ir.limits`) at every
+layer: the header is read first and the declared body length checked against
+the file's size and ``MAX_PLAN_FILE`` before the body is read; the body's
+inflated size is counted (in 1 MiB steps, nothing kept) against
+``MAX_PLAN_BODY`` before it is inflated; msgpack decodes with length bounds
+and a budget of maps and lists (:class:`_Budget`);
+:mod:`.planfile_schema` checks every field (sizes, ranks, id ranges) before
+the IR is built; then the verifier runs. Every failure is one
+:class:`PlanFileError` naming the file and the field.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import struct
 import zlib
 
@@ -19,19 +30,19 @@ import msgpack
 import numpy as np
 
 from ..errors import AttnplanError, PlanFileError
-from ..frontend.batch import _check_segments
-from ..ir.graph import BlockGraph
-from ..ir.mask import Pieces
+from ..ir import limits as L
 from ..ir.module import PlanIR
-from ..ir.placement import Placement
-from ..ir.problem import Problem
-from ..ir.program import Program
-from ..ir.schedule import Schedule
 from ..ir.verify import verify
+from . import planfile_schema as schema
+from .cost import PROFILES
 
 MAGIC = b"ATTNPLAN"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sHHQ32s")
+_CHUNK = 1 << 20  # inflate step while counting the body's size
+_ZLIB_LEVEL = 6
+
+# ------------------------------------------------------------------ writing
 
 
 def _arr(a: np.ndarray) -> dict:
@@ -41,153 +52,221 @@ def _arr(a: np.ndarray) -> dict:
     return {"dtype": dt, "shape": list(a.shape), "data": a.astype(dt).tobytes()}
 
 
-def _unarr(x, what: str) -> np.ndarray:
-    if not isinstance(x, dict) or set(x) != {"dtype", "shape", "data"}:
-        raise PlanFileError(f"malformed plan file: {what} is not an array record")
-    if x["dtype"] not in ("<i4", "<i8") or not isinstance(x["shape"], list) \
-            or not all(isinstance(s, int) and s >= 0 for s in x["shape"]) or not isinstance(x["data"], bytes):
-        raise PlanFileError(f"malformed plan file: bad array record for {what}")
-    n = int(np.prod(x["shape"])) if x["shape"] else 1
-    if len(x["data"]) != n * int(x["dtype"][-1]):
-        raise PlanFileError(f"malformed plan file: {what} has {len(x['data'])} bytes for shape {x['shape']}")
-    return np.frombuffer(x["data"], dtype=x["dtype"]).reshape(x["shape"]).astype(np.int64)
+def file_meta(meta: dict) -> dict:
+    """The metadata a plan file stores: keys sorted (the bytes do not depend on
+    insertion order), and ``profile`` only when it is a builtin name (a
+    FILE.json profile is the caller's, not the plan's: a plan file never makes
+    the tool open a path)."""
+    out = {k: meta[k] for k in sorted(meta, key=str) if not (k == "profile" and meta[k] not in PROFILES)}
+    if isinstance(out.get("candidates"), dict):
+        out["candidates"] = {k: out["candidates"][k] for k in sorted(out["candidates"], key=str)}
+    try:
+        return schema.check_meta(out)
+    except PlanFileError as e:
+        raise PlanFileError(f"cannot write a plan file: {e}") from None
 
 
 def to_body(ir: PlanIR, meta: dict) -> dict:
     p, g, pl, s, prog = ir.problem, ir.graph, ir.placement, ir.schedule, ir.program
+    if g is None or pl is None or s is None or prog is None:
+        raise PlanFileError("cannot write a plan file: the IR has no program yet (the pipeline must end in 'emit')")
     return {
         "problem": {"seqlens": _arr(p.seqlens), "heads": p.heads, "kv_heads": p.kv_heads, "head_dim": p.head_dim,
                     "pieces": _arr(p.pieces.a), "mask": p.mask, "dtype": p.dtype,
                     "segments": [list(map(list, s_)) if s_ is not None else None for s_ in p.segments]
                     if p.segments is not None else None},
         "devices": ir.devices, "nodes": ir.nodes, "memory_cap": ir.memory_cap,
-        "graph": {f: _arr(getattr(g, f)) for f in BlockGraph.__dataclass_fields__ if f != "problem"},
+        "graph": {f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
         "placement": {"home": _arr(pl.home), "cb_device": _arr(pl.cb_device)},
         "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap},
         "program": {"transfers": _arr(prog.transfers),
                     "buffers": [[_arr(b) for b in ph] for ph in prog.buffers],
                     "code": [[_arr(c) for c in ph] for ph in prog.code]},
-        "meta": meta,
+        "meta": file_meta(meta),
     }
 
 
-def pack(ir: PlanIR, meta: dict, measured: dict) -> bytes:
-    body = dict(to_body(ir, meta), measured=measured)
-    raw = zlib.compress(msgpack.packb(body, use_bin_type=True), 6)
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
-
-
 def canonical_bytes(ir: PlanIR, meta: dict) -> bytes:
+    """The plan file's body before compression: msgpack of :func:`to_body`."""
     return msgpack.packb(to_body(ir, meta), use_bin_type=True)
 
 
-def _get(d, key, typ, what):
-    if not isinstance(d, dict) or key not in d:
-        raise PlanFileError(f"malformed plan file: missing {what}.{key}")
-    v = d[key]
-    if typ is not None and not isinstance(v, typ) or isinstance(v, bool) and typ is int:
-        raise PlanFileError(f"malformed plan file: {what}.{key} has the wrong type")
-    return v
+def pack(ir: PlanIR, meta: dict) -> bytes:
+    """The plan file's bytes: header and compressed :func:`canonical_bytes`."""
+    raw = zlib.compress(canonical_bytes(ir, meta), _ZLIB_LEVEL)
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
 
 
-def unpack(data: bytes, source: str = "<bytes>", check: bool = True) -> tuple[PlanIR, dict, dict]:
-    """Inverse of :func:`pack`; raises :class:`PlanFileError` on anything wrong."""
-    if len(data) < _HEADER.size:
-        if not data.startswith(MAGIC[:len(data)]) or not data:
+# ------------------------------------------------------------------ the header
+
+
+def _check_header(head: bytes, source: str) -> tuple[int, bytes]:
+    """(declared body length, checksum) from the first ``_HEADER.size`` bytes."""
+    if len(head) < _HEADER.size:
+        if not head or not head.startswith(MAGIC[:len(head)]):
             raise PlanFileError(f"{source}: not an attnplan plan file")
-        raise PlanFileError(f"{source}: truncated plan file ({len(data)} bytes, header needs {_HEADER.size})")
-    magic, version, flags, length, digest = _HEADER.unpack_from(data)
+        raise PlanFileError(f"{source}: truncated plan file ({len(head)} bytes, header needs {_HEADER.size})")
+    magic, version, flags, length, digest = _HEADER.unpack_from(head)
     if magic != MAGIC:
         raise PlanFileError(f"{source}: not an attnplan plan file (bad magic)")
     if version != FORMAT_VERSION:
-        raise PlanFileError(f"{source}: plan file format version {version}; this attnplan reads version {FORMAT_VERSION}")
+        raise PlanFileError(f"{source}: plan file format version {version}; "
+                            f"this attnplan reads version {FORMAT_VERSION}")
     if flags != 0:  # no flags are defined: the header (not covered by the checksum) was altered
         raise PlanFileError(f"{source}: plan file header has unknown flags {flags:#06x}")
-    raw = data[_HEADER.size:]
-    if len(raw) != length:
-        kind = "truncated" if len(raw) < length else "has trailing bytes"
-        raise PlanFileError(f"{source}: plan file {kind}: body is {len(raw)} bytes, header says {length}")
+    return length, digest
+
+
+def _check_length(length: int, available: int, source: str) -> None:
+    """The body the header declares against the bytes that follow it."""
+    if available != length:
+        kind = "truncated" if available < length else "has trailing bytes"
+        raise PlanFileError(f"{source}: plan file {kind}: body is {available} bytes, header says {length}")
+
+
+def _check_limit(length: int, source: str) -> None:
+    if _HEADER.size + length > L.MAX_PLAN_FILE:
+        raise PlanFileError(f"{source}: plan file of {_HEADER.size + length} bytes is larger than the limit "
+                            f"MAX_PLAN_FILE = {L.MAX_PLAN_FILE} bytes")
+
+
+# ------------------------------------------------------------------ the body
+
+
+def _inflated_size(raw: bytes, source: str) -> int:
+    """Bytes ``raw`` inflates to, counted without keeping them; PlanFileError as
+    soon as the count passes ``MAX_PLAN_BODY`` (a zlib bomb costs one step of memory)."""
+    d, buf, total = zlib.decompressobj(), raw, 0
+    try:
+        while not d.eof:
+            out = d.decompress(buf, _CHUNK)
+            total += len(out)
+            if total > L.MAX_PLAN_BODY:
+                raise PlanFileError(f"{source}: plan body inflates to more than MAX_PLAN_BODY = "
+                                    f"{L.MAX_PLAN_BODY} bytes")
+            if not out and len(d.unconsumed_tail) == len(buf):
+                raise PlanFileError(f"{source}: plan body does not decode: the compressed stream is incomplete")
+            buf = d.unconsumed_tail
+    except zlib.error as e:
+        raise PlanFileError(f"{source}: plan body does not decode: {e}") from None
+    if d.unused_data:
+        raise PlanFileError(f"{source}: plan body does not decode: {len(d.unused_data)} bytes follow the "
+                            f"compressed stream")
+    return total
+
+
+class _Budget:
+    """Bounds what msgpack builds, beyond the body's bytes: one byte of msgpack
+    can become a 64-byte Python map or list. A plan body has a few maps per
+    device (array records) and lists mostly for segments; ``slots`` counts list
+    and map entries plus 8 per container (its Python overhead in words)."""
+
+    MAX_MAPS = 8 * L.MAX_DEVICES + 1024
+    MAX_SLOTS = 12 * (L.MAX_SEGMENTS + L.MAX_SAMPLES) + 64 * L.MAX_DEVICES + (1 << 20)
+
+    def __init__(self, source: str):
+        self.source, self.maps, self.slots = source, 0, 0
+
+    def _spend(self, slots: int) -> None:
+        self.slots += slots + 8
+        if self.slots > self.MAX_SLOTS:
+            raise PlanFileError(f"{self.source}: plan body holds more lists and maps than a plan of MAX_SEGMENTS "
+                                f"segments, MAX_SAMPLES samples and MAX_DEVICES devices can")
+
+    def on_list(self, v: list) -> list:
+        self._spend(len(v))
+        return v
+
+    def on_map(self, d: dict) -> dict:
+        self.maps += 1
+        if self.maps > self.MAX_MAPS:
+            raise PlanFileError(f"{self.source}: plan body holds more than {self.MAX_MAPS} maps (a few per device, "
+                                f"MAX_DEVICES = {L.MAX_DEVICES})")
+        self._spend(2 * len(d))
+        return d
+
+
+def _decode(raw: bytes, source: str):
+    size = _inflated_size(raw, source)
+    longest = max(L.MAX_SEGMENTS, L.MAX_SAMPLES, L.MAX_DEVICES)
+    budget = _Budget(source)
+    try:
+        packed = zlib.decompress(raw, bufsize=max(size, 1))
+        return msgpack.unpackb(packed, raw=False, strict_map_key=True, use_list=True,
+                               list_hook=budget.on_list, object_hook=budget.on_map,
+                               max_str_len=4 * L.MAX_MASK_TEXT, max_bin_len=len(packed),
+                               max_array_len=min(len(packed), longest), max_map_len=min(len(packed), 1 << 16),
+                               max_ext_len=len(packed))
+    except PlanFileError:
+        raise
+    except Exception as e:  # zlib.error, msgpack's errors, ValueError (limits, nesting)
+        raise PlanFileError(f"{source}: plan body does not decode: {type(e).__name__}: {e}") from None
+
+
+def _verify(ir: PlanIR, source: str) -> None:
+    try:
+        verify(ir)
+    except AttnplanError as e:
+        raise PlanFileError(f"{source}: plan does not verify: {e}") from None
+    except Exception as e:  # noqa: BLE001  the verifier met arrays the schema let through: still the file's fault
+        raise PlanFileError(f"{source}: plan does not verify: malformed arrays ({type(e).__name__}: {e})") from None
+
+
+def _unpack_body(raw: bytes, digest: bytes, source: str, check: bool) -> tuple[PlanIR, dict]:
     if hashlib.sha256(raw).digest() != digest:
         raise PlanFileError(f"{source}: plan file checksum mismatch: the file was altered or corrupted")
+    body = _decode(raw, source)
     try:
-        body = msgpack.unpackb(zlib.decompress(raw), raw=False, strict_map_key=True)
-    except Exception as e:  # zlib.error, msgpack errors, ValueError
-        raise PlanFileError(f"{source}: plan body does not decode: {e}") from None
-    try:
-        ir = _from_body(body)
-    except AttnplanError as e:
-        if isinstance(e, PlanFileError):
-            raise PlanFileError(f"{source}: {e}") from None
+        ir = schema.from_body(body)
+        meta = schema.check_meta(body.get("meta", {}))
+    except PlanFileError as e:
         raise PlanFileError(f"{source}: malformed plan file: {e}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise PlanFileError(f"{source}: malformed plan file: {e}") from None
-    meta, measured = body.get("meta", {}), body.get("measured", {})
-    _check_meta(meta, measured, source)
     if check:
-        try:
-            verify(ir)
-        except AttnplanError as e:
-            raise PlanFileError(f"{source}: plan does not verify: {e}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
-            # the verifier assumes well-formed arrays (right rank, ids in range); a crafted body can break that
-            raise PlanFileError(f"{source}: plan does not verify: malformed arrays "
-                                f"({type(e).__name__}: {e})") from None
-    return ir, meta, measured
+        _verify(ir, source)
+    return ir, meta
 
 
-_META_TYPES = {"pipeline": str, "strategy": str, "profile": str, "block_size": int}
+# ------------------------------------------------------------------ reading
 
 
-def _check_meta(meta, measured, source: str) -> None:
-    """``meta`` and ``measured`` are used as they are by ``Plan.stats``; check their shape here."""
-    if not isinstance(meta, dict) or not isinstance(measured, dict):
-        raise PlanFileError(f"{source}: malformed plan file: meta and measured must be maps")
-    for key, typ in _META_TYPES.items():
-        if key in meta and (not isinstance(meta[key], typ) or isinstance(meta[key], bool)):
-            raise PlanFileError(f"{source}: malformed plan file: meta.{key} must be {typ.__name__}")
-    for key, v in measured.items():
-        if not isinstance(key, str) or not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise PlanFileError(f"{source}: malformed plan file: measured.{key} must be a number")
+def unpack(data: bytes, source: str = "<bytes>", check: bool = True) -> tuple[PlanIR, dict]:
+    """Inverse of :func:`pack`: (IR, meta); raises :class:`PlanFileError` on anything wrong.
+    ``check=False`` skips the verifier (the schema checks still run)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PlanFileError(f"{source}: plan file data must be bytes, got {type(data).__name__}")
+    data = bytes(data)
+    length, digest = _check_header(data[:_HEADER.size], source)
+    _check_length(length, len(data) - _HEADER.size, source)
+    _check_limit(length, source)
+    return _unpack_body(data[_HEADER.size:], digest, source, check)
 
 
-def _from_body(body) -> PlanIR:
-    if not isinstance(body, dict):
-        raise PlanFileError("malformed plan file: body is not a map")
-    pb = _get(body, "problem", dict, "body")
-    seqlens = _unarr(_get(pb, "seqlens", dict, "problem"), "problem.seqlens")
-    segs = pb.get("segments")
-    # one entry per sample, each null or [[kind, length], ...] summing to the sample length (BatchError otherwise)
-    segments = _check_segments(segs, seqlens.tolist(), "problem.") if segs is not None else None
-    pieces = _unarr(_get(pb, "pieces", dict, "problem"), "problem.pieces")
-    if pieces.ndim != 2 or pieces.shape[1] != 6:
-        raise PlanFileError("malformed plan file: problem.pieces must be [n, 6]")
-    problem = Problem(seqlens=seqlens,
-                      heads=_get(pb, "heads", int, "problem"), kv_heads=_get(pb, "kv_heads", int, "problem"),
-                      head_dim=_get(pb, "head_dim", int, "problem"), pieces=Pieces(pieces),
-                      mask=_get(pb, "mask", str, "problem"), segments=segments,
-                      dtype=_get(pb, "dtype", str, "problem"))
-    gb = _get(body, "graph", dict, "body")
-    graph = BlockGraph(problem=problem, **{f: _unarr(_get(gb, f, dict, "graph"), f"graph.{f}")
-                                           for f in BlockGraph.__dataclass_fields__ if f != "problem"})
-    if graph.pieces.ndim != 2 or (len(graph.pieces) and graph.pieces.shape[1] != 6):
-        raise PlanFileError("malformed plan file: graph.pieces must be [n, 6]")
-    plb = _get(body, "placement", dict, "body")
-    devices, nodes = _get(body, "devices", int, "body"), _get(body, "nodes", int, "body")
-    placement = Placement(devices, nodes, _unarr(_get(plb, "home", dict, "placement"), "placement.home"),
-                          _unarr(_get(plb, "cb_device", dict, "placement"), "placement.cb_device"))
-    sb = _get(body, "schedule", dict, "body")
-    schedule = Schedule(_get(sb, "stages", int, "schedule"), _unarr(_get(sb, "cb_stage", dict, "schedule"), "cb_stage"),
-                        _unarr(_get(sb, "xfer", dict, "schedule"), "schedule.xfer").reshape(-1, 6),
-                        _get(sb, "overlap", bool, "schedule"))
-    pr = _get(body, "program", dict, "body")
-    bufs, code = _get(pr, "buffers", list, "program"), _get(pr, "code", list, "program")
-    if len(bufs) != 2 or len(code) != 2 or any(len(ph) != devices for ph in bufs + code):
-        raise PlanFileError(f"malformed plan file: program does not have 2 phases x {devices} devices")
-    program = Program(devices, _unarr(_get(pr, "transfers", dict, "program"), "program.transfers"),
-                      tuple(tuple(_unarr(b, "program.buffers") for b in ph) for ph in bufs),
-                      tuple(tuple(_unarr(c, "program.code") for c in ph) for ph in code))
-    cap = body.get("memory_cap")
-    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
-        raise PlanFileError("malformed plan file: memory_cap must be null or a positive integer")
-    return PlanIR(problem=problem, devices=devices, nodes=nodes, memory_cap=cap, graph=graph,
-                  placement=placement, schedule=schedule, program=program)
+def _read_body(f, source: str) -> tuple[bytes, bytes]:
+    """(body, checksum) of the open file ``f``: the header first, then exactly the declared body."""
+    length, digest = _check_header(f.read(_HEADER.size), source)
+    st = os.fstat(f.fileno())
+    if stat.S_ISREG(st.st_mode):  # a pipe or device has no size: read at most the declared length
+        _check_length(length, st.st_size - _HEADER.size, source)
+    _check_limit(length, source)
+    raw = f.read(length)
+    if len(raw) < length:
+        _check_length(length, len(raw), source)
+    if f.read(1):
+        raise PlanFileError(f"{source}: plan file has trailing bytes: body is more than {length} bytes, "
+                            f"header says {length}")
+    return raw, digest
+
+
+def read_file(path, check: bool = True) -> tuple[PlanIR, dict]:
+    """Read and check the plan file at ``path``: (IR, meta). Reads the header,
+    checks it, then reads exactly the declared body (never more than
+    ``MAX_PLAN_FILE`` bytes)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise PlanFileError(f"a plan file path must be a string or path, got {type(path).__name__}")
+    source = os.fsdecode(path)
+    try:
+        with open(path, "rb") as f:
+            raw, digest = _read_body(f, source)
+    except OSError as e:
+        raise PlanFileError(f"{source}: cannot read plan file: {e.strerror or e}") from None
+    return _unpack_body(raw, digest, source, check)

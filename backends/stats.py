@@ -1,4 +1,4 @@
-"""Plan statistics, with the definitions of DESIGN.md (the same everywhere).
+"""Plan statistics, with the definitions of docs/DESIGN.md (the same everywhere).
 
 * pairs: allowed (q, k) pairs × query heads; flops_fwd = 4 · head_dim · pairs.
 * compute_imbalance: max over devices of forward attention FLOPs / mean.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ir.program import BBYTES, BWD, FWD, T_BYTES, T_DST, T_PHASE, T_SRC
-from .cost import get_profile, rounded_pairs, simulate
+from .cost import Profile, get_profile, rounded_pairs, simulate
 
 
 def _imbalance(x: np.ndarray) -> float:
@@ -28,22 +28,58 @@ def _imbalance(x: np.ndarray) -> float:
     return float(np.max(x) / m) if m > 0 else 1.0
 
 
-def compute_stats(ir, plan_s: float = 0.0, profile: str = "h100", sim: dict | None = None) -> dict:
-    """``sim``: a ``simulate`` result for ``profile`` already at hand (the report reuses its recorded run)."""
-    g, pl, prog, p = ir.graph, ir.placement, ir.program, ir.problem
+def _per_device(ir) -> dict:
+    """Per device: forward attention FLOPs and pairs, tokens homed, bytes in and
+    out (every transfer, both phases) and buffer bytes per phase."""
+    g, pl, prog = ir.graph, ir.placement, ir.program
     n = ir.devices
-    flops = np.bincount(pl.cb_device, weights=g.cb_flops(), minlength=n).astype(np.int64)
-    pairs = np.bincount(pl.cb_device, weights=g.cb_pairs, minlength=n).astype(np.int64)
-    tokens = np.bincount(pl.home, weights=g.tb_len, minlength=n).astype(np.int64)
     X = prog.transfers
     nb = X[:, T_BYTES].astype(float)
-    cin = np.bincount(X[:, T_DST], weights=nb, minlength=n).astype(np.int64)
-    cout = np.bincount(X[:, T_SRC], weights=nb, minlength=n).astype(np.int64)
+    return {
+        "flops": np.bincount(pl.cb_device, weights=g.cb_flops(), minlength=n).astype(np.int64),
+        "pairs": np.bincount(pl.cb_device, weights=g.cb_pairs, minlength=n).astype(np.int64),
+        "tokens": np.bincount(pl.home, weights=g.tb_len, minlength=n).astype(np.int64),
+        "comm_in": np.bincount(X[:, T_DST], weights=nb, minlength=n).astype(np.int64),
+        "comm_out": np.bincount(X[:, T_SRC], weights=nb, minlength=n).astype(np.int64),
+        "memory": [[int(b[:, BBYTES].sum()) for b in prog.buffers[ph]] for ph in (FWD, BWD)],
+    }
+
+
+def _comm_totals(ir, dev: dict) -> dict:
+    X = ir.program.transfers
+    nb = X[:, T_BYTES].astype(float)
     fwd = X[:, T_PHASE] == FWD
-    mem = [[int(b[:, BBYTES].sum()) for b in prog.buffers[ph]] for ph in (FWD, BWD)]
+    return {
+        "comm_bytes_total": int(nb.sum()),
+        "comm_bytes_fwd": int(nb[fwd].sum()),
+        "comm_bytes_bwd": int(nb[~fwd].sum()),
+        "comm_bytes_max": int((dev["comm_in"] + dev["comm_out"]).max()) if ir.devices else 0,
+        "transfers": int(len(X)),
+    }
+
+
+def _schedule_shares(ir, total_pairs: int, total_flops: int) -> dict:
+    """``last_stage_share`` and ``kernel_work_ratio`` (see the module docstring)."""
+    g = ir.graph
+    last = ir.schedule.cb_stage == ir.schedule.stages - 1
+    rounded = (rounded_pairs(g, 128)[g.cb_tile] * g.hg_heads[g.cb_hg]).sum()
+    return {"last_stage_share": float(g.cb_flops()[last].sum() / max(1, total_flops)),
+            "kernel_work_ratio": float(rounded / max(1, total_pairs))}
+
+
+def compute_stats(ir, plan_s: float = 0.0, profile: Profile | str = "h100", sim: dict | None = None) -> dict:
+    """The stats of a plan's IR under ``profile`` (a :class:`Profile`, or a
+    profile the user named: see :func:`cost.get_profile`; a plan's recorded
+    name is resolved with :func:`cost.resolve_profile` first). ``sim``: a
+    ``simulate`` result for that profile already at hand (the report reuses
+    its recorded run)."""
+    p = ir.problem
+    n = ir.devices
     prof = get_profile(profile)
+    dev = _per_device(ir)
     sim = simulate(ir, prof) if sim is None else sim
-    total_flops = int(flops.sum())
+    total_flops = int(dev["flops"].sum())
+    total_pairs = int(dev["pairs"].sum())
     lower = total_flops * (1 + prof.bwd_factor) / (n * prof.flops)
     return {
         "devices": n,
@@ -51,37 +87,31 @@ def compute_stats(ir, plan_s: float = 0.0, profile: str = "h100", sim: dict | No
         "tokens": p.tokens,
         "samples": int(len(p.seqlens)),
         "heads": p.heads, "kv_heads": p.kv_heads, "head_dim": p.head_dim, "dtype": p.dtype,
-        "pairs": int(pairs.sum()),
+        "pairs": total_pairs,
         "flops_fwd": total_flops,
-        "compute_imbalance": _imbalance(flops),
-        "token_imbalance": _imbalance(tokens),
-        "comm_bytes_total": int(nb.sum()),
-        "comm_bytes_fwd": int(nb[fwd].sum()),
-        "comm_bytes_bwd": int(nb[~fwd].sum()),
-        "comm_bytes_max": int((cin + cout).max()) if n else 0,
-        "transfers": int(len(X)),
+        "compute_imbalance": _imbalance(dev["flops"]),
+        "token_imbalance": _imbalance(dev["tokens"]),
+        **_comm_totals(ir, dev),
         "lower_bound_s": lower,
         "predicted_s": sim["predicted_s"],
         "predicted_fwd_s": sim["fwd"]["makespan_s"],
         "predicted_bwd_s": sim["bwd"]["makespan_s"],
         "predicted_over_lower_bound": sim["predicted_s"] / lower if lower > 0 else 1.0,
         "stages": ir.schedule.stages,
-        "last_stage_share": float(g.cb_flops()[ir.schedule.cb_stage == ir.schedule.stages - 1].sum()
-                                  / max(1, total_flops)),
-        "kernel_work_ratio": float((rounded_pairs(g, 128)[g.cb_tile] * g.hg_heads[g.cb_hg]).sum() / max(1, pairs.sum())),
-        "profile": profile,
+        **_schedule_shares(ir, total_pairs, total_flops),
+        "profile": prof.name,
         "plan_s": plan_s,
-        "token_blocks": g.n_tb,
-        "compute_blocks": g.n_cb,
-        "instructions": prog.n_instructions(),
+        "token_blocks": ir.graph.n_tb,
+        "compute_blocks": ir.graph.n_cb,
+        "instructions": ir.program.n_instructions(),
         "per_device": {
-            "flops": flops.tolist(),
-            "pairs": pairs.tolist(),
-            "tokens": tokens.tolist(),
-            "comm_in_bytes": cin.tolist(),
-            "comm_out_bytes": cout.tolist(),
-            "memory_fwd_bytes": mem[0],
-            "memory_bwd_bytes": mem[1],
+            "flops": dev["flops"].tolist(),
+            "pairs": dev["pairs"].tolist(),
+            "tokens": dev["tokens"].tolist(),
+            "comm_in_bytes": dev["comm_in"].tolist(),
+            "comm_out_bytes": dev["comm_out"].tolist(),
+            "memory_fwd_bytes": dev["memory"][0],
+            "memory_bwd_bytes": dev["memory"][1],
             "predicted_fwd_s": sim["fwd"]["finish_s"],
             "predicted_bwd_s": sim["bwd"]["finish_s"],
         },
@@ -114,7 +144,8 @@ def format_stats(s: dict) -> str:
     pd = s["per_device"]
     mean = max(1.0, float(np.mean(pd["flops"])))
     lines.append("")
-    lines.append(f"{'dev':>4} {'tokens':>9} {'flops/mean':>10} {'comm in':>11} {'comm out':>11} {'fwd ms':>8} {'bwd ms':>8}")
+    lines.append(f"{'dev':>4} {'tokens':>9} {'flops/mean':>10} {'comm in':>11} {'comm out':>11} "
+                 f"{'fwd ms':>8} {'bwd ms':>8}")
     for d in range(s["devices"]):
         lines.append(f"{d:>4} {pd['tokens'][d]:>9} {pd['flops'][d] / mean:>10.3f} {gb(pd['comm_in_bytes'][d]):>11} "
                      f"{gb(pd['comm_out_bytes'][d]):>11} {pd['predicted_fwd_s'][d] * 1e3:>8.3f} "

@@ -105,7 +105,7 @@ def rank_worker(rank, world, blobs, dtype, repeats, timeout):
         comm = []
         for _ in range(repeats):
             dist.barrier()
-            r = rt.replay_comm(plan, ql.detach(), kl.detach(), vl.detach(), timeout=timeout)
+            r = rt.replay_comm(plan.ir, ql.detach(), kl.detach(), vl.detach(), timeout=timeout)
             comm.append(r["fwd"] + r["bwd"])
         out[name] = {"reps": reps, "comm": comm}
     return out
@@ -179,7 +179,7 @@ def bench(args) -> dict:
     import torch
 
     import attnplan
-    from attnplan.runtime.launch import run_local
+    from attnplan.tools.launch import run_local
     torch.set_num_threads(1)
     batch = load_batches()[args.batch]
     lens = cut(batch["seqlens"])

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import attnplan
-from attnplan.backends.compare import compare
+from attnplan.tools.compare import compare
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(heads=8, kv_heads=2, head_dim=128)

@@ -196,7 +196,7 @@ def train_reference(cfg: dict) -> list[float]:
 
 def run(procs: int = 2, prefetch_workers: int = 1, timeout: float = 300.0, **overrides) -> list[float]:
     """Train on ``procs`` fresh local gloo processes; returns the loss curve."""
-    from attnplan.runtime.launch import run_local
+    from attnplan.tools.launch import run_local
     cfg = dict(CONFIG, **overrides)
     res = run_local(f"{os.path.abspath(__file__)}:train", procs, (cfg, prefetch_workers), timeout=timeout)
     for r, x in enumerate(res):

@@ -4,10 +4,19 @@
 ``MaskProgram.lower`` gives one sample's pieces, ``lower_batch`` the whole
 packed mask, ``render`` an ASCII picture. ``load_batch``/``parse_seqlens``
 read batches. The language is described in :mod:`attnplan.frontend.lang`.
+
+Modules, one concern each: ``lang`` (the language's documentation,
+``MaskProgram``, parsing), ``grammar`` (``mask.lark`` and syntax errors),
+``tree`` (the syntax tree), ``names`` (name checking), ``values`` (numbers,
+position terms), ``evaluate`` (expressions to pieces), ``setops`` (mask set
+operations within the work limits), ``stdlib`` (named masks), ``lower``
+(whole batches), ``render`` (pictures), ``batch`` (batch files and lengths).
 """
 
 from .batch import Batch, load_batch, parse_seqlens
-from .lang import MaskProgram, load_mask, lower_batch, parse_mask, render
+from .lang import MaskProgram, load_mask, parse_mask
+from .lower import lower_batch
+from .render import render
 from .stdlib import BUILTINS
 
 __all__ = ["Batch", "BUILTINS", "MaskProgram", "load_batch", "load_mask", "lower_batch", "parse_mask",

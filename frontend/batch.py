@@ -8,6 +8,11 @@ keys (``dist``, ``budget``, ...) are ignored. ``load_batch("FILE:NAME")``
 picks the object whose ``name`` is NAME; without NAME the file must hold
 exactly one. Every problem is a :class:`BatchError` with one line naming the
 file (and line) and what is wrong.
+
+Sizes are checked before anything proportional to them is built: a file
+against ``MAX_BATCH_FILE`` bytes (before it is read), a batch against
+``MAX_SAMPLES`` samples and ``MAX_TOKENS`` tokens, and every length against
+``MAX_TOKENS`` (so ``--seqlens 10**30`` is an error, not an overflow).
 """
 
 from __future__ import annotations
@@ -17,13 +22,44 @@ import os
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from attnplan.errors import BatchError
+from attnplan.ir.limits import MAX_BATCH_FILE, MAX_SAMPLES, MAX_TOKENS
+from attnplan.ir.segments import check_segments
 
 __all__ = ["Batch", "parse_seqlens", "load_batch"]
 
+_MAX_DIGITS = len(str(MAX_TOKENS))
+_JSON_DIGITS = 100  # digits of any integer in a batch file
+
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _show(v) -> str:
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _check_lengths(lens, where: str, name: str) -> tuple[int, ...]:
+    """``lens`` as a tuple of ints within the limits; BatchError naming the first bad entry."""
+    if len(lens) > MAX_SAMPLES:
+        raise BatchError(f"{where}{len(lens):,} samples; a batch has at most MAX_SAMPLES = {MAX_SAMPLES:,} "
+                         f"(ir/limits.py)")
+    for i, n in enumerate(lens):
+        if not _is_int(n) or n < 1:
+            raise BatchError(f"{where}{name}[{i}] = {_show(n)} is not a positive integer")
+        if n > MAX_TOKENS:
+            raise BatchError(f"{where}{name}[{i}] = {n} is more than MAX_TOKENS = {MAX_TOKENS:,} tokens (ir/limits.py)")
+    total = sum(int(n) for n in lens)
+    if total > MAX_TOKENS:
+        raise BatchError(f"{where}the batch has {total:,} tokens; at most MAX_TOKENS = {MAX_TOKENS:,} (ir/limits.py)")
+    return tuple(int(n) for n in lens)
 
 
 @dataclass(frozen=True)
@@ -36,15 +72,17 @@ class Batch:
     name: str | None = None
 
     def __post_init__(self):
-        lens = tuple(self.seqlens)
-        if not lens:
+        try:
+            count = len(self.seqlens)
+        except TypeError:
+            raise BatchError(f"seqlens must be a sequence of positive integers, "
+                             f"got {type(self.seqlens).__name__}") from None
+        if not count:
             raise BatchError("a batch needs at least one sample")
-        for i, n in enumerate(lens):
-            if not _is_int(n) or n < 1:
-                raise BatchError(f"sample {i}: length {n!r} is not a positive integer")
+        lens = _check_lengths(self.seqlens, "", "seqlens")
         object.__setattr__(self, "seqlens", lens)
         if self.segments is not None:
-            segs = _check_segments(self.segments, lens, "")
+            segs = check_segments(self.segments, lens, "")
             object.__setattr__(self, "segments", None if all(s is None for s in segs) else segs)
 
     @property
@@ -55,51 +93,52 @@ class Batch:
         return len(self.seqlens)
 
 
-def _check_segments(segments, seqlens, where: str) -> tuple:
-    if not isinstance(segments, (list, tuple)):
-        raise BatchError(f"{where}segments must be a list with one entry per sample, got {type(segments).__name__}")
-    if len(segments) != len(seqlens):
-        raise BatchError(f"{where}segments has {len(segments)} entries but there are {len(seqlens)} samples")
-    out = []
-    for i, (seg, n) in enumerate(zip(segments, seqlens)):
-        if seg is None:
-            out.append(None)
-            continue
-        if not isinstance(seg, (list, tuple)) or not seg:
-            raise BatchError(f"{where}segments[{i}] must be null or a non-empty list of [kind, length]")
-        pairs = []
-        for j, pair in enumerate(seg):
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise BatchError(f"{where}segments[{i}][{j}] must be [kind, length], got {json.dumps(pair)}")
-            kind, length = pair
-            if not isinstance(kind, str) or not kind:
-                raise BatchError(f"{where}segments[{i}][{j}]: kind must be a non-empty string, got {json.dumps(kind)}")
-            if not _is_int(length) or length < 1:
-                raise BatchError(f"{where}segments[{i}][{j}]: length {json.dumps(length)} is not a positive integer")
-            pairs.append((kind, length))
-        total = sum(length for _, length in pairs)
-        if total != n:
-            raise BatchError(f"{where}segments[{i}] sum to {total} but sample {i} has length {n}")
-        out.append(tuple(pairs))
-    return tuple(out)
-
-
 def parse_seqlens(text: str) -> tuple[int, ...]:
-    """``"4096,1000,300"`` -> ``(4096, 1000, 300)``; BatchError on anything else."""
-    if not text or not text.strip():
+    """``"4096,1000,300"`` -> ``(4096, 1000, 300)``; BatchError on anything else
+    (checked against MAX_SAMPLES and MAX_TOKENS before any list is built)."""
+    if not isinstance(text, str) or not text.strip():
         raise BatchError("empty list of sequence lengths (expected e.g. 4096,1000,300)")
+    if text.count(",") + 1 > MAX_SAMPLES:
+        raise BatchError(f"{text.count(',') + 1:,} sequence lengths; a batch has at most "
+                         f"MAX_SAMPLES = {MAX_SAMPLES:,} samples (ir/limits.py)")
     out = []
     for i, part in enumerate(text.split(",")):
         p = part.strip()
+        shown = p if len(p) <= 40 else p[:40] + "..."
         if not p:
-            raise BatchError(f"sequence lengths {text!r}: entry {i + 1} is empty")
+            raise BatchError(f"sequence lengths: entry {i + 1} is empty")
         if not re.fullmatch(r"[+-]?[0-9]+", p):
-            raise BatchError(f"sequence lengths {text!r}: {p!r} is not an integer")
-        n = int(p)
-        if n < 1:
-            raise BatchError(f"sequence lengths {text!r}: {n} is not a positive length")
-        out.append(n)
-    return tuple(out)
+            raise BatchError(f"sequence lengths: entry {i + 1}, {shown!r}, is not an integer")
+        digits = p.lstrip("+-").lstrip("0")
+        if p.startswith("-") or not digits:
+            raise BatchError(f"sequence lengths: entry {i + 1}, {shown}, is not a positive length")
+        if len(digits) > _MAX_DIGITS or int(digits) > MAX_TOKENS:
+            raise BatchError(f"sequence lengths: entry {i + 1}, {shown}, is more than MAX_TOKENS = "
+                             f"{MAX_TOKENS:,} tokens (ir/limits.py)")
+        out.append(int(digits))
+    return _check_lengths(out, "sequence lengths: ", "entry")
+
+
+def _parse_int(text: str) -> int:
+    """JSON integers: refuse absurd digit counts before converting (Python refuses
+    over 4,300; lengths are checked against MAX_TOKENS afterwards)."""
+    if len(text.lstrip("-")) > _JSON_DIGITS:
+        raise _HugeNumber(text)
+    return int(text)
+
+
+class _HugeNumber(ValueError):
+    pass
+
+
+def _loads(where: str, text: str):
+    try:
+        return json.loads(text, parse_int=_parse_int)
+    except _HugeNumber as e:
+        raise BatchError(f"{where}an integer with {len(str(e).lstrip('-'))} digits; lengths are at most "
+                         f"MAX_TOKENS = {MAX_TOKENS:,}") from None
+    except RecursionError:
+        raise BatchError(f"{where}JSON nested too deeply (a batch is an object with a list of lengths)") from None
 
 
 def _records(path: str, text: str) -> list[tuple[str, object]]:
@@ -107,7 +146,7 @@ def _records(path: str, text: str) -> list[tuple[str, object]]:
     ext = os.path.splitext(path)[1].lower()
     if ext != ".jsonl":
         try:
-            obj = json.loads(text)
+            obj = _loads(f"{path}: ", text)
         except json.JSONDecodeError as e:
             if ext == ".json" or len([ln for ln in text.splitlines() if ln.strip()]) <= 1:
                 raise BatchError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
@@ -120,7 +159,7 @@ def _records(path: str, text: str) -> list[tuple[str, object]]:
         if not line.strip():
             continue
         try:
-            out.append((f"{path}:{lineno}: ", json.loads(line)))
+            out.append((f"{path}:{lineno}: ", _loads(f"{path}:{lineno}: ", line)))
         except json.JSONDecodeError as e:
             raise BatchError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
     return out
@@ -134,16 +173,14 @@ def _to_batch(where: str, obj) -> Batch:
     lens = obj["seqlens"]
     if not isinstance(lens, list) or not lens:
         raise BatchError(f"{where}\"seqlens\" must be a non-empty list of positive integers")
-    for i, n in enumerate(lens):
-        if not _is_int(n) or n < 1:
-            raise BatchError(f"{where}seqlens[{i}] = {json.dumps(n)} is not a positive integer")
+    lens = _check_lengths(lens, where, "seqlens")
     name = obj.get("name")
     if name is not None and not isinstance(name, str):
-        raise BatchError(f"{where}\"name\" must be a string, got {json.dumps(name)}")
+        raise BatchError(f"{where}\"name\" must be a string, got {_show(name)}")
     segments = obj.get("segments")
     if segments is not None:
-        segments = _check_segments(segments, lens, where)
-    return Batch(tuple(lens), segments, name)
+        segments = check_segments(segments, lens, where)
+    return Batch(lens, segments, name)
 
 
 def _label(where: str, obj) -> str:
@@ -154,23 +191,23 @@ def _label(where: str, obj) -> str:
     return f"(unnamed, {'line ' + loc if loc.isdigit() else loc})"
 
 
-def load_batch(spec: str) -> Batch:
-    """``FILE`` or ``FILE:NAME`` (JSON or JSONL; see the module docstring)."""
-    path, name = spec, None
-    if not os.path.exists(spec) and ":" in spec:
-        head, tail = spec.rsplit(":", 1)
-        if head and tail:
-            path, name = head, tail
-    if not os.path.isfile(path):
-        raise BatchError(f"batch file not found: {path}")
+def _read(path: str) -> str:
+    """The file's text, refusing files over MAX_BATCH_FILE bytes before reading them."""
     try:
+        size = os.path.getsize(path)
+        if size > MAX_BATCH_FILE:
+            raise BatchError(f"{path}: {size:,} bytes; a batch file is at most MAX_BATCH_FILE = "
+                             f"{MAX_BATCH_FILE:,} bytes (ir/limits.py)")
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_BATCH_FILE + 1)
     except (OSError, UnicodeDecodeError) as e:
         raise BatchError(f"{path}: cannot read: {e}") from None
-    records = _records(path, text)
-    if not records:
-        raise BatchError(f"{path}: no batch in the file")
+    if len(text) > MAX_BATCH_FILE:  # grew while being read
+        raise BatchError(f"{path}: more than MAX_BATCH_FILE = {MAX_BATCH_FILE:,} bytes (ir/limits.py)")
+    return text
+
+
+def _pick(path: str, records: list, name: str | None) -> Batch:
     if name is not None:
         hits = [(w, o) for w, o in records if isinstance(o, dict) and o.get("name") == name]
         if not hits:
@@ -184,3 +221,21 @@ def load_batch(spec: str) -> Batch:
         names = ", ".join(_label(w, o) for w, o in records)
         raise BatchError(f"{path} has {len(records)} batches; pick one with {path}:NAME (names: {names})")
     return _to_batch(*records[0])
+
+
+def load_batch(spec: str) -> Batch:
+    """``FILE`` or ``FILE:NAME`` (JSON or JSONL; see the module docstring)."""
+    if not isinstance(spec, (str, os.PathLike)):
+        raise BatchError(f"a batch is given as a file path, got {type(spec).__name__}")
+    spec = os.fspath(spec)
+    path, name = spec, None
+    if not os.path.exists(spec) and ":" in spec:
+        head, tail = spec.rsplit(":", 1)
+        if head and tail:
+            path, name = head, tail
+    if not os.path.isfile(path):
+        raise BatchError(f"batch file not found: {path}")
+    records = _records(path, _read(path))
+    if not records:
+        raise BatchError(f"{path}: no batch in the file")
+    return _pick(path, records, name)

@@ -67,7 +67,8 @@ class Param:
         """Why ``v`` is not acceptable for this parameter, or None."""
         if self.kind == "positive":
             if isinstance(v, Fraction) and v.denominator != 1:
-                return f"{self.name} ({self.doc}) must be a positive integer, got {fmt_number(v)}, which is not an integer"
+                return (f"{self.name} ({self.doc}) must be a positive integer, got {fmt_number(v)}, "
+                        f"which is not an integer")
             if v < 1:
                 return f"{self.name} ({self.doc}) must be a positive integer, got {fmt_number(v)}"
             return None
@@ -83,6 +84,11 @@ class Builtin:
     build: Callable  # (L, seg, *args) -> Pieces
     doc: str
     uses_segments: bool = False
+    size: Callable | None = None  # (L, seg, *args) -> at most this many pieces; None: a few (<= 6)
+
+    def max_pieces(self, L, seg, *args) -> int:
+        """An upper bound on the pieces ``build`` makes, known before building them."""
+        return 6 if self.size is None else self.size(L, seg, *args)
 
     @property
     def signature(self) -> str:
@@ -197,6 +203,14 @@ def segment_rows(L, seg: Segments, var: str, kind: str) -> Pieces:
     return _rows(0, L, s, e, -INF, INF)
 
 
+def _per_block(L, seg, b):
+    return -(-L // min(b, L))
+
+
+def _per_segment(L, seg):
+    return len(seg.starts)
+
+
 _W = Param("w", "positive", "window width")
 BUILTINS: dict[str, Builtin] = {b.name: b for b in [
     Builtin("causal", (), _causal, "k <= q"),
@@ -208,15 +222,16 @@ BUILTINS: dict[str, Builtin] = {b.name: b for b in [
             "k <= q and (k < s or q - k < w)"),
     Builtin("shared_question", (Param("n", "positive", "number of answers"),
                                 Param("f", "unit", "question fraction")), _shared_question,
-            "question = first floor(L*f) tokens, causal; n answers see it and themselves causally"),
+            "question = first floor(L*f) tokens, causal; n answers see it and themselves causally",
+            size=lambda L, seg, n, f: 2 * min(n, L) + 1),
     Builtin("causal_blockwise", (Param("b", "positive", "block size"),
                                  Param("k", "positive", "window in blocks")), _causal_blockwise,
             "first/last block causal; others see block 0 and keys in [max(b, q - k*b), q]"),
     Builtin("block_causal", (Param("b", "positive", "block size"),), _block_causal,
-            "k < (floor(q/b) + 1) * b"),
+            "k < (floor(q/b) + 1) * b", size=_per_block),
     Builtin("prefix_lm", (Param("p", "positive", "prefix length"),), _prefix_lm, "k < p or k <= q"),
     Builtin("chunked_causal", (Param("c", "positive", "chunk size"),), _chunked_causal,
-            "k <= q inside chunks of c tokens"),
-    Builtin("same_segment", (), _same_segment, "q and k in the same segment", True),
-    Builtin("earlier_segment", (), _earlier_segment, "k's segment lies before q's", True),
+            "k <= q inside chunks of c tokens", size=_per_block),
+    Builtin("same_segment", (), _same_segment, "q and k in the same segment", True, _per_segment),
+    Builtin("earlier_segment", (), _earlier_segment, "k's segment lies before q's", True, _per_segment),
 ]}

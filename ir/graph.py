@@ -100,8 +100,8 @@ class BlockGraph:
         return self.pieces[self.tile_ptr[tile]:self.tile_ptr[tile + 1]]
 
     def to_text(self, limit: int = 40) -> str:
-        lines = [f"blockgraph token_blocks={self.n_tb} head_groups={self.n_hg} tiles={self.n_tile} "
-                 f"compute_blocks={self.n_cb} pieces={len(self.pieces)}"]
+        lines = [(f"blockgraph token_blocks={self.n_tb} head_groups={self.n_hg} tiles={self.n_tile} "
+                  f"compute_blocks={self.n_cb} pieces={len(self.pieces)}")]
         for t in range(min(self.n_tb, limit)):
             lines.append(f"  tb{t} [{self.tb_start[t]}, {self.tb_end[t]})")
         for c in range(min(self.n_cb, limit)):
@@ -153,8 +153,9 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> B
     order = np.lexsort((src, key))
     rows, src, key = rows[order], src[order], key[order]
     bound = np.flatnonzero(np.diff(key)) + 1
-    tile_ptr = np.concatenate([[0], bound, [len(key)]]).astype(np.int64)
-    tile_key = key[tile_ptr[:-1]] if len(key) else key
+    # CSR pointers: one per tile plus the end (just [0] when the mask allows no pair at all)
+    tile_ptr = np.concatenate([[0], bound, [len(key)]] if len(key) else [[0]]).astype(np.int64)
+    tile_key = key[tile_ptr[:-1]]
     counts = piece_counts(rows)
     tile_pairs = np.add.reduceat(counts, tile_ptr[:-1]) if len(counts) else counts
     hs, he = head_groups(problem.kv_heads, n_head_groups)

@@ -1,64 +1,189 @@
-"""The one way programs are walked: a cooperative round-robin over devices.
+"""The one semantics of walking programs: rendezvous transfers.
 
-Each device runs until it reaches a ``wait`` whose transfer does not yet
-have both its send and its receive posted (rendezvous semantics). When a full
-round moves no device, the programs deadlock: :class:`DeadlockError` names
-every blocked device and the transfer it waits on. The verifier's symbolic
-run, the simulator and the in-process executor all use this walk with their
-own instruction handler."""
+``send`` and ``recv`` only post; a ``wait`` passes once both sides of its
+transfer are posted; nothing else blocks. Two ways to use it:
+
+* :func:`cooperate` runs every device's stream in one process, calling a
+  handler per instruction in an order every real transport could also take
+  (the simulator and the in-process executor). It is event driven: a device
+  runs until it reaches a ``wait`` whose transfer is not complete, and is
+  resumed when the post that completes it happens, so the walk costs one step
+  per instruction, not per device and round.
+* :func:`check_deadlock_free` proves without running anything that the walk
+  finishes (the verifier): the waits form a graph in which a wait depends on
+  the previous wait of its device and on the last wait before each of the two
+  posts of its transfer; the walk finishes exactly when that graph has no
+  cycle (and every waited transfer is posted). Cost: a few numpy passes and
+  one strongly-connected-components call, linear in the instructions.
+
+Either way a deadlock raises :class:`DeadlockError` naming every blocked
+device, the transfer it waits on and which of its sides were posted.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import DeadlockError
-from .program import KINDS, PHASES, RECV, SEND, T_DST, T_HG, T_KIND, T_SRC, T_TB, WAIT, Program
+from .program import (
+    A1,
+    KINDS,
+    OP,
+    PHASES,
+    RECV,
+    SEND,
+    T_DST,
+    T_HG,
+    T_KIND,
+    T_PHASE,
+    T_SRC,
+    T_TB,
+    WAIT,
+    Program,
+)
 
 
 def transfer_key(program: Program, tag: int) -> str:
     t = program.transfers[tag]
-    return (f"t{tag} {PHASES[t[1]]} {KINDS[t[T_KIND]]}[tb{t[T_TB]},hg{t[T_HG]}] "
+    return (f"t{tag} {PHASES[t[T_PHASE]]} {KINDS[t[T_KIND]]}[tb{t[T_TB]},hg{t[T_HG]}] "
             f"d{t[T_SRC]}->d{t[T_DST]}")
+
+
+def _deadlock(program: Program, phase: int, blocked: list) -> DeadlockError:
+    """``blocked``: (device, tag, send posted, recv posted) of every device that cannot go on."""
+    parts = [f"device {d} waits on {transfer_key(program, t)} (send {'posted' if s else 'not posted'}, "
+             f"recv {'posted' if r else 'not posted'})" for d, t, s, r in blocked]
+    return DeadlockError(f"deadlock in {PHASES[phase]}: " + "; ".join(parts))
 
 
 def cooperate(program: Program, phase: int, on_instr: Callable[[int, int, list], None], code=None) -> None:
     """Run every device's ``phase`` stream, calling ``on_instr(device, index, row)``
     for each instruction in an order every real transport could also take.
-    ``code`` replaces the program's streams (the verifier walks only the
-    instructions that can block)."""
+    ``code`` replaces the program's streams."""
     code = [c.tolist() for c in (program.code[phase] if code is None else code)]
-    n = program.devices
+    n = len(code)
     ntags = len(program.transfers)
-    sent = np.zeros(ntags, bool)
-    recvd = np.zeros(ntags, bool)
+    sent, recvd = bytearray(ntags), bytearray(ntags)  # sides posted of every transfer
+    waiting: dict[int, list[int]] = {}                # tag -> devices blocked on it
     pc = [0] * n
-    while True:
-        progressed = False
-        for d in range(n):
-            c, i = code[d], pc[d]
-            while i < len(c):
-                row = c[i]
-                op = row[0]
-                if op == WAIT:
-                    t = row[1]
-                    if not (sent[t] and recvd[t]):
-                        break
-                elif op == SEND:
-                    sent[row[1]] = True
-                elif op == RECV:
-                    recvd[row[1]] = True
-                on_instr(d, i, row)
-                i += 1
-            if i != pc[d]:
-                pc[d] = i
-                progressed = True
-        if all(pc[d] == len(code[d]) for d in range(n)):
-            return
-        if not progressed:
-            blocked = [f"device {d} waits on {transfer_key(program, code[d][pc[d]][1])} "
-                       f"(send {'posted' if sent[code[d][pc[d]][1]] else 'not posted'}, "
-                       f"recv {'posted' if recvd[code[d][pc[d]][1]] else 'not posted'})"
-                       for d in range(n) if pc[d] < len(code[d])]
-            raise DeadlockError(f"deadlock in {PHASES[phase]}: " + "; ".join(blocked))
+    ready = deque(range(n))
+    op_, tag_, wait_, send_, recv_ = OP, A1, WAIT, SEND, RECV  # locals: this loop runs once per instruction
+    while ready:
+        d = ready.popleft()
+        c, i = code[d], pc[d]
+        end = len(c)
+        while i < end:
+            row = c[i]
+            op = row[op_]
+            if op == wait_:
+                t = row[tag_]
+                if not (sent[t] and recvd[t]):
+                    waiting.setdefault(t, []).append(d)
+                    break
+            elif op == send_:
+                t = row[tag_]
+                if not sent[t]:
+                    sent[t] = 1
+                    if recvd[t] and t in waiting:
+                        ready.extend(waiting.pop(t))
+            elif op == recv_:
+                t = row[tag_]
+                if not recvd[t]:
+                    recvd[t] = 1
+                    if sent[t] and t in waiting:
+                        ready.extend(waiting.pop(t))
+            on_instr(d, i, row)
+            i += 1
+        pc[d] = i
+    blocked = [(d, code[d][pc[d]][A1]) for d in range(n) if pc[d] < len(code[d])]
+    if blocked:
+        raise _deadlock(program, phase, [(d, t, bool(sent[t]), bool(recvd[t])) for d, t in blocked])
+
+
+# ---------------------------------------------------------------------------- static proof
+
+SIDE_SEND, SIDE_RECV = 0, 1  # the two posts of a transfer (columns of the gate table)
+
+def _flatten(code: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """All streams as columns: (opcode, first operand, device, first row of each device)."""
+    lens = np.array([len(c) for c in code], np.int64)
+    start = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    rows = np.concatenate([np.asarray(c, np.int64).reshape(-1, 6) for c in code])
+    return (np.ascontiguousarray(rows[:, OP]), np.ascontiguousarray(rows[:, A1]),
+            np.repeat(np.arange(len(code), dtype=np.int64), lens), start)
+
+
+def _post_gates(op: np.ndarray, tag: np.ndarray, dev: np.ndarray, start: np.ndarray,
+                ntags: int) -> tuple[np.ndarray, np.ndarray]:
+    """Wait rows and, per transfer, the wait each of its posts comes after.
+
+    Waits are numbered in stream order (device by device). The *gate* of a
+    post is the last wait before it on its device (−1: none, it is posted at
+    once; −2: the transfer has no such post)."""
+    is_wait = op == WAIT
+    before = np.cumsum(is_wait) - is_wait               # waits strictly before each row, all devices
+    gate = before - 1
+    gate[before <= before[start[dev]]] = -1             # no wait of the row's own device before it
+    gates = np.full((ntags, 2), -2, np.int64)
+    for side, code in ((SIDE_SEND, SEND), (SIDE_RECV, RECV)):
+        sel = np.flatnonzero(op == code)
+        gates[tag[sel], side] = gate[sel]
+    return np.flatnonzero(is_wait), gates
+
+
+def _blocked_waits(wait_tag: np.ndarray, wait_dev: np.ndarray, gates: np.ndarray) -> np.ndarray:
+    """Which waits can never pass: those on a cycle of the wait graph, those
+    whose transfer misses a post, and everything after them."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import breadth_first_order, connected_components
+
+    n = len(wait_tag)
+    ids = np.arange(n, dtype=np.int64)
+    g = gates[wait_tag]                                     # [n, 2] gates of each wait's two posts
+    chain = np.flatnonzero(wait_dev[1:] == wait_dev[:-1])   # wait i -> i + 1 on the same device
+    s0, s1 = np.flatnonzero(g[:, SIDE_SEND] >= 0), np.flatnonzero(g[:, SIDE_RECV] >= 0)
+    src = np.concatenate([chain, g[s0, SIDE_SEND], g[s1, SIDE_RECV]])
+    dst = np.concatenate([chain + 1, s0, s1])
+    root = (g == -2).any(1)                                 # a post that never happens
+    root[src[src == dst]] = True                            # a wait that gates its own transfer's post
+    graph = csr_matrix((np.ones(len(src), np.int8), (src, dst)), shape=(n + 1, n + 1))
+    _, label = connected_components(graph, directed=True, connection="strong")
+    root |= (np.bincount(label)[label] > 1)[:n]             # on a cycle
+    if not root.any():
+        return np.zeros(n, bool)
+    # everything reachable from a root is blocked: search from an extra node n linked to every root
+    src = np.concatenate([src, np.full(int(root.sum()), n)])
+    dst = np.concatenate([dst, ids[root]])
+    graph = csr_matrix((np.ones(len(src), np.int8), (src, dst)), shape=(n + 1, n + 1))
+    blocked = np.zeros(n + 1, bool)
+    blocked[breadth_first_order(graph, n, directed=True, return_predecessors=False)] = True
+    return blocked[:n]
+
+
+def check_deadlock_free(program: Program, phase: int, code=None, streams=None) -> None:
+    """Raise :class:`DeadlockError` (the message :func:`cooperate` would give)
+    unless every device's ``phase`` stream runs to its end under rendezvous
+    semantics. Transfer tags in the streams must be in range. ``code``
+    replaces the program's streams; ``streams`` gives them already as columns
+    (opcode, first operand, device, first row of each device)."""
+    if streams is None:
+        streams = _flatten(list(program.code[phase] if code is None else code))
+    op, tag, dev, start = streams
+    waits, gates = _post_gates(op, tag, dev, start, len(program.transfers))
+    if not len(waits):
+        return
+    blocked = _blocked_waits(tag[waits], dev[waits], gates)
+    if not blocked.any():
+        return
+    # each device stops at its first blocked wait (blocked waits of a device are a suffix)
+    b = np.flatnonzero(blocked)
+    first = b[np.r_[True, dev[waits[b]][1:] != dev[waits[b]][:-1]]]
+    posted = (gates == -1) | ((gates >= 0) & ~blocked[np.maximum(gates, 0)])  # [tag, side]: the post is reached
+    out = []
+    for w in first.tolist():
+        t = int(tag[waits[w]])
+        out.append((int(dev[waits[w]]), t, bool(posted[t, SIDE_SEND]), bool(posted[t, SIDE_RECV])))
+    raise _deadlock(program, phase, out)

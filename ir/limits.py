@@ -9,18 +9,27 @@ errors agree.
 
 MAX_TOKENS = 1 << 26            # tokens in one batch (67,108,864; issue 9 plans 4M)
 MAX_SAMPLES = 1 << 20           # samples (documents) in one batch
+MAX_SEGMENTS = 1 << 22          # segments of all samples of one batch (batch files, plan files)
 MAX_DEVICES = 1024              # devices of one attention plan (CP group)
 MAX_HEADS = 1 << 12             # query heads, kv heads
 MAX_HEAD_DIM = 1 << 12          # head dimension
 MAX_BLOCK_SIZE = MAX_TOKENS     # token block size of the tile pass
+MAX_STAGES = 4096               # stages of a divided schedule
 MAX_COMPUTE_BLOCKS = 300_000    # compute blocks a pipeline may create (PlanError beyond)
 MAX_MASK_PIECES = 1 << 22       # canonical mask pieces of one batch
 MAX_MASK_TEXT = 1 << 20         # characters of mask text
 MAX_MASK_INT = 1 << 62          # |integer literal| in mask text (the pieces' unbounded sentinel)
+MAX_MASK_WORK = 1 << 30         # work units (~ numpy row operations) to evaluate a mask for one parse or batch
 MAX_BATCH_FILE = 256 << 20      # bytes of a batch file (JSON / JSONL)
 MAX_PLAN_FILE = 256 << 20      # bytes of a plan file on disk
 MAX_PLAN_BODY = 512 << 20      # bytes of a plan body after decompression
 MAX_INSTRUCTIONS = 1 << 26      # instructions of one program, all devices and phases
 MAX_RUN_BYTES = 16 << 30        # bytes of tensors `plan run` may allocate for a check
+MAX_PROFILE_FILE = 1 << 20      # bytes of a cost profile JSON (--profile FILE.json; calibrate writes < 1 kB)
+MAX_MEMORY_CAP = 1 << 62        # bytes of memory_cap (--memory-cap): far beyond any device
+MAX_TIMEOUT_S = 7 * 24 * 3600   # seconds a transfer may wait (--timeout, attention(timeout=))
+MAX_REPEATS = 1000              # repeats of one `plan calibrate` measurement
+MAX_MASK_WIDTH = 1024           # columns of a `plan mask` picture (4096 took 14 s and 1.5 GB)
+MAX_PREFETCH = 1024             # workers, and batches in flight (lookahead), of one PlanPrefetcher
 
 __all__ = [n for n in dir() if n.startswith("MAX_")]

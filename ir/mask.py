@@ -101,6 +101,98 @@ def _subtract_one(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return normalize(np.concatenate(parts))
 
 
+def _ranges(first: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, value) of every element of the ranges ``[first[i], stop[i])``."""
+    n = np.maximum(stop - first, 0)
+    owner = np.repeat(np.arange(len(first), dtype=np.int64), n)
+    value = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + first[owner]
+    return owner, value
+
+
+def _first_hit(a: np.ndarray, i: np.ndarray, j: np.ndarray) -> tuple[int, int] | None:
+    """The first candidate pair ``(i[x], j[x])`` whose pieces share a pair, chunked to bound memory."""
+    for s in range(0, len(i), _CHUNK):
+        x, y = i[s:s + _CHUNK], j[s:s + _CHUNK]
+        hit = np.flatnonzero(tighten(_intersect_rows(a[x], a[y])))
+        if len(hit):
+            return int(x[hit[0]]), int(y[hit[0]])
+    return None
+
+
+def _row_overlap_pairs(s: np.ndarray, budget: int):
+    """Pairs of pieces (sorted by q0) whose row ranges overlap, or None if
+    there are more than ``budget`` of them."""
+    n = len(s)
+    stop = np.searchsorted(s[:, Q0], s[:, Q1], "left")  # pieces starting before this one's rows end
+    first = np.arange(1, n + 1, dtype=np.int64)
+    if int((stop - first).clip(0).sum()) > budget:
+        return None
+    return _ranges(first, stop)
+
+
+def _sweep_pairs(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs a row sweep finds adjacent (Shamos–Hoey): O(n log n) candidates
+    that include an overlapping pair whenever one exists.
+
+    On row q a normalized piece covers the key interval
+    ``[max(k0, q + lo), min(k1 - 1, q + hi)]`` (never empty), whose ends move
+    by 0 or 1 per row. Disjoint pieces therefore keep their left-to-right
+    order on every row they share. The sweep keeps the active pieces ordered
+    by left end; a piece is compared with its neighbours when it starts, and
+    the two pieces that become neighbours when one ends are compared. If all
+    those pairs are disjoint, every row's intervals stay sorted and disjoint,
+    so the pieces are; the pairs are checked exactly by the caller."""
+    from bisect import bisect_left
+
+    q0, q1, k0, lo = (s[:, c].tolist() for c in (Q0, Q1, K0, LO))
+    n = len(q0)
+    rows = np.concatenate([s[:, Q1], s[:, Q0]])
+    kind = np.repeat(np.array([0, 1], np.int8), n)          # ends (0) before starts (1) on the same row
+    order = np.lexsort((kind, rows))
+    active: list[int] = []
+    pi: list[int] = []
+    pj: list[int] = []
+    for e in order.tolist():
+        p, start = e % n, e >= n
+        r = q0[p] if start else q1[p] - 1                   # a piece ending at q1 is compared on its last row
+        pos = bisect_left(active, max(k0[p], r + lo[p]), key=lambda x: max(k0[x], r + lo[x]))
+        if start:
+            active.insert(pos, p)
+            if pos:
+                pi.append(active[pos - 1])
+                pj.append(p)
+            if pos + 1 < len(active):
+                pi.append(p)
+                pj.append(active[pos + 1])
+            continue
+        if pos >= len(active) or active[pos] != p:          # out of order: an overlap, found by the checks
+            pos = active.index(p)
+        del active[pos]
+        if 0 < pos < len(active):
+            pi.append(active[pos - 1])
+            pj.append(active[pos])
+    return np.asarray(pi, np.int64), np.asarray(pj, np.int64)
+
+
+def first_overlap(a: np.ndarray) -> tuple[int, int] | None:
+    """Two pieces of the normalized pieces ``a`` that share a (q, k) pair, or
+    None when they are pairwise disjoint. Pieces are sorted by first row; when
+    few pairs of them share rows (the usual case: pieces of different samples
+    never do) those pairs are checked directly, otherwise a row sweep
+    (:func:`_sweep_pairs`) picks O(n) candidate pairs: O(n log n) either way."""
+    n = len(a)
+    if n < 2:
+        return None
+    order = np.lexsort((a[:, K0], a[:, Q0]))
+    s = a[order]
+    pairs = _row_overlap_pairs(s, budget=4 * n + _CHUNK)
+    hit = _first_hit(s, *(pairs if pairs is not None else _sweep_pairs(s)))
+    if hit is None:
+        return None
+    i, j = sorted((int(order[hit[0]]), int(order[hit[1]])))
+    return i, j
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Pieces:
     """A disjoint set of mask pieces, columnar (``a``: int64 ``[n, 6]``)."""
@@ -112,21 +204,21 @@ class Pieces:
 
     # construction ---------------------------------------------------------
     @staticmethod
-    def of(rows) -> "Pieces":
+    def of(rows) -> Pieces:
         """Pieces from raw rows ``(q0, q1, k0, k1, lo, hi)``; tightens and drops empties.
         The rows must already be pairwise disjoint."""
         return Pieces(normalize(np.asarray(rows, dtype=np.int64).reshape(-1, 6)))
 
     @staticmethod
-    def empty() -> "Pieces":
+    def empty() -> Pieces:
         return Pieces(np.zeros((0, 6), np.int64))
 
     @staticmethod
-    def rect(q0, q1, k0, k1, lo=-INF, hi=INF) -> "Pieces":
+    def rect(q0, q1, k0, k1, lo=-INF, hi=INF) -> Pieces:
         return Pieces.of([(q0, q1, k0, k1, lo, hi)])
 
     @staticmethod
-    def concat(parts) -> "Pieces":
+    def concat(parts) -> Pieces:
         """Union of piece sets that are known to be disjoint from each other."""
         arrs = [p.a for p in parts if len(p.a)]
         return Pieces(np.concatenate(arrs)) if arrs else Pieces.empty()
@@ -147,21 +239,21 @@ class Pieces:
     def __hash__(self):  # pragma: no cover - unhashable on purpose
         raise TypeError("Pieces is not hashable")
 
-    def sorted(self) -> "Pieces":
+    def sorted(self) -> Pieces:
         order = np.lexsort(self.a.T[::-1])
         return Pieces(self.a[order])
 
     # algebra ----------------------------------------------------------------
-    def shift(self, offset: int) -> "Pieces":
+    def shift(self, offset: int) -> Pieces:
         a = self.a.copy()
         a[:, :4] += offset
         return Pieces(a)
 
-    def intersect(self, other: "Pieces") -> "Pieces":
+    def intersect(self, other: Pieces) -> Pieces:
         i, j = _pairwise(self.a, other.a)
         return Pieces(normalize(_intersect_rows(self.a[i], other.a[j])))
 
-    def subtract(self, other: "Pieces") -> "Pieces":
+    def subtract(self, other: Pieces) -> Pieces:
         cur = self.a
         for b in other.a:
             if not len(cur):
@@ -172,14 +264,14 @@ class Pieces:
                 cur = np.concatenate([cur[~hit], _subtract_one(cur[hit], b)])
         return Pieces(np.ascontiguousarray(cur))
 
-    def union(self, other: "Pieces") -> "Pieces":
+    def union(self, other: Pieces) -> Pieces:
         return Pieces.concat([self, other.subtract(self)])
 
-    def complement(self, length: int) -> "Pieces":
+    def complement(self, length: int) -> Pieces:
         """The pairs of ``[0, length)^2`` not in this set."""
         return Pieces.rect(0, length, 0, length).subtract(self)
 
-    def clip(self, q0, q1, k0, k1) -> "Pieces":
+    def clip(self, q0, q1, k0, k1) -> Pieces:
         return self.intersect(Pieces.rect(q0, q1, k0, k1))
 
     # views (tests, pictures) ---------------------------------------------------

@@ -1,10 +1,25 @@
-"""Placement: where each token block lives and where each compute block runs."""
+"""Placement: where each token block lives and where each compute block runs.
+
+Most strategies are *cut points and devices*: the packed token axis is cut
+into segments ``[starts[i], starts[i+1])`` and segment ``i`` is homed on
+``devices[i]``; compute runs where Q lives. :func:`place_segments` is that
+shared tail (re-tile at the cuts, home every token block by its segment,
+place compute blocks, clear the levels below), so a strategy only computes
+its segments."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ..errors import PlanError
+from .graph import BlockGraph, build_graph
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only (module.py imports this file)
+    from .module import PlanIR
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -34,3 +49,77 @@ class Placement:
         cbs = ", ".join(f"c{c}->d{d}" for c, d in enumerate(self.cb_device[:limit].tolist()))
         lines.append(f"  compute {cbs}{' ...' if len(self.cb_device) > limit else ''}")
         return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- segments
+
+def chunk_bounds(tokens: int, chunks: int) -> np.ndarray:
+    """``chunks + 1`` boundaries of an even split of ``[0, tokens)`` (sizes differ
+    by at most one; chunks are empty when ``chunks > tokens``)."""
+    return (np.arange(chunks + 1, dtype=np.int64) * tokens) // chunks
+
+
+def zigzag_device(chunk, n: int) -> np.ndarray:
+    """Device of zigzag chunk ``chunk`` of 2n: chunk j on device j, or 2n-1-j in the second half."""
+    chunk = np.asarray(chunk, dtype=np.int64)
+    return np.where(chunk < n, chunk, 2 * n - 1 - chunk)
+
+
+def segment_home(tb_start: np.ndarray, starts: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    """Device of every token block: that of the last segment starting at or
+    before the block's start. Equal starts (empty segments) resolve to the last
+    of them, the non-empty one. The token blocks must not cross a segment start
+    (re-tile at ``starts`` first)."""
+    return np.asarray(devices, np.int64)[np.searchsorted(starts, tb_start, "right") - 1]
+
+
+def q_home(graph: BlockGraph, home: np.ndarray) -> np.ndarray:
+    """Compute where Q lives: the home of every compute block's Q block."""
+    return home[graph.cb_q]
+
+
+def _check_segments(starts: np.ndarray, devices: np.ndarray, tokens: int, n: int) -> None:
+    """Segments must be sorted, start at 0, lie in ``[0, tokens)`` and name devices in ``[0, n)``."""
+    if starts.ndim != 1 or starts.shape != devices.shape:
+        raise PlanError(f"placement: {starts.shape} segment starts but {devices.shape} devices; need one device "
+                        f"per segment start")
+    if not len(starts) or starts[0] != 0:
+        raise PlanError(f"placement: the first segment must start at token 0, got "
+                        f"{starts[:1].tolist() or 'no segments'}")
+    if (np.diff(starts) < 0).any() or (tokens and starts[-1] >= tokens):
+        raise PlanError(f"placement: segment starts must be sorted and below {tokens} tokens")
+    bad = devices[(devices < 0) | (devices >= n)]
+    if len(bad):
+        raise PlanError(f"placement: a segment is homed on device {int(bad[0])}, outside [0, {n})")
+
+
+def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups: int | None = None,
+                   compute: Callable[[BlockGraph, np.ndarray], np.ndarray] | None = None) -> PlanIR:
+    """The placement tail of a cut-based strategy.
+
+    ``starts`` (sorted, the first 0) cut the packed axis into segments;
+    segment ``i`` — ``[starts[i], starts[i+1])``, the last one up to the end —
+    is homed on ``devices[i]``. Steps:
+
+    1. re-tile ``ir.graph`` at its own cuts plus ``starts`` and ``extra_cuts``,
+       with ``head_groups`` head groups (default: the graph's);
+    2. home every token block on its segment's device (:func:`segment_home`);
+    3. place every compute block: ``compute(graph, home)``, by default where
+       its Q lives (:func:`q_home`);
+    4. return ``ir`` with the new graph and placement; the schedule and the
+       program are cleared (:meth:`PlanIR.with_levels`)."""
+    if ir.graph is None:
+        raise PlanError("placement: no block graph to re-tile; run the tile pass first")
+    starts = np.asarray(starts, np.int64)
+    devices = np.asarray(devices, np.int64)
+    _check_segments(starts, devices, ir.problem.tokens, ir.devices)
+    cuts = [ir.graph.tb_start, starts]
+    if extra_cuts is not None:
+        cuts.append(np.asarray(extra_cuts, np.int64))
+    g = build_graph(ir.problem, np.concatenate(cuts), ir.graph.n_hg if head_groups is None else head_groups)
+    home = segment_home(g.tb_start, starts, devices)
+    cb_device = np.array((compute or q_home)(g, home), np.int64)  # a fresh array the Placement owns
+    if cb_device.shape != (g.n_cb,):
+        raise PlanError(f"placement: {cb_device.shape} compute devices for {g.n_cb} compute blocks")
+    pl = Placement(devices=ir.devices, nodes=ir.nodes, home=home, cb_device=cb_device)
+    return ir.with_levels(graph=g, placement=pl)

@@ -1,18 +1,14 @@
 """Program: one instruction stream and one buffer table per device and phase.
 
-Columnar: each stream is an int64 array ``[n, 6]`` of ``(op, a, b, c, d, e)``.
-
-========  ==============================  ===========================================
-op        operands                        meaning
-========  ==============================  ===========================================
-recv      tag, src, buf                   post a receive of transfer ``tag`` into ``buf``
-send      tag, dst, buf                   post a send of ``buf``
-wait      tag                             block until transfer ``tag`` completed
-attn      cb, q, kv, o                    o ⊕= attention(q, kv) over compute block cb
-merge     dst, src                        dst ⊕= src (online-softmax merge, fp32)
-attn_bwd  cb, q, kv, dq, dkv              dq += ∂q, dkv += ∂kv of compute block cb
-add       dst, src                        dst += src (fp32)
-========  ==============================  ===========================================
+Columnar: each stream is an int64 array ``[n, 6]``; column :data:`OP` holds
+the opcode and columns :data:`A1` .. :data:`A5` its operands (unused ones are
+0). The instruction set is one table, :data:`ISA`: per opcode its name, its
+operands (name and what each one names: a transfer tag, a peer device, a
+buffer or a compute block), which buffers it reads and writes, the kind and
+role each buffer operand must have, and the phases it is legal in. The text
+form, the parser, :data:`OPS`, :data:`N_OPERANDS` and the verifier's operand
+checks are all derived from it (the table is printed at the end of this
+docstring).
 
 A transfer completes only when both its send and its receive are posted
 (rendezvous semantics, as NCCL), so a symbolic run that never blocks proves
@@ -30,13 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import PlanFileError
+from ..errors import AttnplanError, PlanError, PlanFileError
+from .limits import MAX_DEVICES
 
 FWD, BWD = 0, 1
 PHASES = ("fwd", "bwd")
-RECV, SEND, WAIT, ATTN, MERGE, ATTN_BWD, ADD = range(7)
-OPS = ("recv", "send", "wait", "attn", "merge", "attn_bwd", "add")
-N_OPERANDS = (3, 3, 1, 4, 2, 5, 2)
 B_Q, B_KV, B_O, B_DQ, B_DKV = range(5)
 KINDS = ("Q", "KV", "O", "dQ", "dKV")
 HOME, RECVD, PART = range(3)
@@ -45,6 +39,96 @@ ROLES = ("home", "recv", "part")
 T_TAG, T_PHASE, T_KIND, T_TB, T_HG, T_SRC, T_DST, T_BYTES = range(8)
 # buffer columns
 BK, BTB, BHG, BROLE, BPEER, BBYTES = range(6)
+# instruction columns: the opcode, then operands 1..5
+OP, A1, A2, A3, A4, A5 = range(6)
+ARG_COLS = (A1, A2, A3, A4, A5)
+# what an operand names
+ARG_TAG, ARG_PEER, ARG_BUF, ARG_CB = range(4)
+ARG_NAMES = ("transfer tag", "device", "buffer", "compute block")
+ARG_PREFIX = ("t", "d", "%", "c")  # the text form of each kind: t3, d1, %7, c12
+# buffer kinds legal in each phase (forward: q, k/v, out/lse; backward: the q bundle, k/v and the gradients)
+PHASE_KINDS = ((B_Q, B_KV, B_O), (B_Q, B_KV, B_DQ, B_DKV))
+_ANY_KIND = (B_Q, B_KV, B_O, B_DQ, B_DKV)
+_ANY_ROLE = (HOME, RECVD, PART)
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    """One opcode of the instruction set.
+
+    ``operands`` and ``args`` name each operand and say what it names
+    (``ARG_*``); ``reads`` / ``writes`` are positions (0-based, into
+    ``operands``) of the buffers whose data the instruction reads / writes;
+    ``kinds`` / ``roles`` give, per buffer operand, the buffer kinds and roles
+    it may have (``None`` for operands that are not buffers)."""
+
+    code: int
+    name: str
+    operands: tuple
+    args: tuple
+    reads: tuple
+    writes: tuple
+    kinds: tuple
+    roles: tuple
+    phases: tuple
+    meaning: str
+
+    def col(self, operand: str) -> int:
+        """The code column of the operand called ``operand``."""
+        return ARG_COLS[self.operands.index(operand)]
+
+    def cols(self, arg: int) -> tuple:
+        """The code columns of every operand that names an ``arg`` (``ARG_*``)."""
+        return tuple(ARG_COLS[i] for i, a in enumerate(self.args) if a == arg)
+
+
+RECV, SEND, WAIT, ATTN, MERGE, ATTN_BWD, ADD = range(7)
+_BOTH = (FWD, BWD)
+ISA = (
+    OpSpec(RECV, "recv", ("tag", "src", "buf"), (ARG_TAG, ARG_PEER, ARG_BUF), (), (2,),
+           (None, None, _ANY_KIND), (None, None, (RECVD,)), _BOTH,
+           "post the receive of transfer ``tag`` from ``src`` into ``buf`` (holds data after the wait)"),
+    OpSpec(SEND, "send", ("tag", "dst", "buf"), (ARG_TAG, ARG_PEER, ARG_BUF), (2,), (),
+           (None, None, _ANY_KIND), (None, None, _ANY_ROLE), _BOTH,
+           "post the send of ``buf`` to ``dst`` as transfer ``tag`` (``buf`` unchanged until the wait)"),
+    OpSpec(WAIT, "wait", ("tag",), (ARG_TAG,), (), (), (None,), (None,), _BOTH,
+           "block until transfer ``tag`` completed (both sides posted)"),
+    OpSpec(ATTN, "attn", ("cb", "q", "kv", "o"), (ARG_CB, ARG_BUF, ARG_BUF, ARG_BUF), (1, 2), (3,),
+           (None, (B_Q,), (B_KV,), (B_O,)), (None, (HOME, RECVD), (HOME, RECVD), (HOME, PART)), (FWD,),
+           "o ⊕= attention(q, kv) over compute block ``cb`` (online softmax)"),
+    OpSpec(MERGE, "merge", ("dst", "src"), (ARG_BUF, ARG_BUF), (1,), (0,),
+           ((B_O,), (B_O,)), ((HOME,), (RECVD,)), (FWD,),
+           "dst ⊕= src: a received partial output into its home (online-softmax merge, fp32)"),
+    OpSpec(ATTN_BWD, "attn_bwd", ("cb", "q", "kv", "dq", "dkv"), (ARG_CB, ARG_BUF, ARG_BUF, ARG_BUF, ARG_BUF),
+           (1, 2), (3, 4), (None, (B_Q,), (B_KV,), (B_DQ,), (B_DKV,)),
+           (None, (HOME, RECVD), (HOME, RECVD), (HOME, PART), (HOME, PART)), (BWD,),
+           "dq += ∂q, dkv += ∂kv of compute block ``cb``"),
+    OpSpec(ADD, "add", ("dst", "src"), (ARG_BUF, ARG_BUF), (1,), (0,),
+           ((B_DQ, B_DKV), (B_DQ, B_DKV)), ((HOME,), (RECVD,)), (BWD,),
+           "dst += src: a received partial gradient into its home (fp32)"),
+)
+if tuple(s.code for s in ISA) != tuple(range(len(ISA))):  # pragma: no cover - the table is ordered by opcode
+    raise ImportError("attnplan.ir.program: ISA rows must be ordered by opcode")
+
+OPS = tuple(s.name for s in ISA)
+N_OPERANDS = tuple(len(s.operands) for s in ISA)
+OP_BY_NAME = {s.name: s for s in ISA}
+# OP_PHASE[op, phase]: the opcode is legal in that phase
+OP_PHASE = np.array([[ph in s.phases for ph in (FWD, BWD)] for s in ISA], dtype=bool)
+OP_PHASE.setflags(write=False)
+
+
+def _isa_doc() -> str:
+    rows = [(s.name, ", ".join(s.operands), " / ".join(PHASES[p] for p in s.phases), s.meaning) for s in ISA]
+    w = [max(len(r[i]) for r in rows + [("opcode", "operands", "phases", "")]) for i in range(3)]
+    rule = "  ".join("=" * x for x in w) + "  " + "=" * 40
+    lines = ["", "Instruction set (from :data:`ISA`):", "", rule,
+             "  ".join(h.ljust(x) for h, x in zip(("opcode", "operands", "phases"), w)) + "  meaning", rule]
+    lines += ["  ".join(c.ljust(x) for c, x in zip(r[:3], w)) + "  " + r[3] for r in rows]
+    return "\n".join(lines + [rule, ""])
+
+
+__doc__ = (__doc__ or "") + _isa_doc()
 
 
 def buffer_bytes(g, phase: int, kind: int, tb, hg) -> np.ndarray:
@@ -69,10 +153,21 @@ def buffer_bytes(g, phase: int, kind: int, tb, hg) -> np.ndarray:
     return (rows * per).astype(np.int64)
 
 
-def _frozen(a) -> np.ndarray:
-    a = np.ascontiguousarray(np.asarray(a, dtype=np.int64))
+def _frozen(a, cols: int, what: str) -> np.ndarray:
+    try:
+        a = np.ascontiguousarray(np.asarray(a, dtype=np.int64)).reshape(-1, cols)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise PlanError(f"program: {what} is not an int64 table of {cols} columns ({e})") from None
     a.setflags(write=False)
     return a
+
+
+def _per_device(levels, devices: int, cols: int, what: str) -> tuple:
+    if not isinstance(levels, (tuple, list)) or len(levels) != 2 \
+            or any(not isinstance(ph, (tuple, list)) or len(ph) != devices for ph in levels):
+        raise PlanError(f"program: {what} must be 2 phases x {devices} devices")
+    return tuple(tuple(_frozen(x, cols, f"{what}[{p}][{d}]") for d, x in enumerate(ph))
+                 for p, ph in enumerate(levels))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -86,9 +181,13 @@ class Program:
     code: tuple
 
     def __post_init__(self):
-        object.__setattr__(self, "transfers", _frozen(self.transfers).reshape(-1, 8))
-        object.__setattr__(self, "buffers", tuple(tuple(_frozen(b).reshape(-1, 6) for b in ph) for ph in self.buffers))
-        object.__setattr__(self, "code", tuple(tuple(_frozen(c).reshape(-1, 6) for c in ph) for ph in self.code))
+        n = self.devices
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_DEVICES:
+            raise PlanError(f"program: devices must be an integer in [1, {MAX_DEVICES}] (MAX_DEVICES), got {n!r}")
+        object.__setattr__(self, "devices", int(n))
+        object.__setattr__(self, "transfers", _frozen(self.transfers, 8, "transfers"))
+        object.__setattr__(self, "buffers", _per_device(self.buffers, n, 6, "buffers"))
+        object.__setattr__(self, "code", _per_device(self.code, n, 6, "code"))
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Program) or other.devices != self.devices:
@@ -98,7 +197,7 @@ class Program:
         return all(np.array_equal(a, b) for pa, pb in zip(self.buffers + self.code, other.buffers + other.code)
                    for a, b in zip(pa, pb))
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # arrays inside: not hashable
 
     def n_instructions(self) -> int:
         return sum(len(c) for ph in self.code for c in ph)
@@ -108,85 +207,156 @@ class Program:
         out = [f"program devices={self.devices}"]
         for t in self.transfers.tolist():
             if device is None or device in (t[T_SRC], t[T_DST]):
-                out.append(f"transfer t{t[T_TAG]} {PHASES[t[T_PHASE]]} {KINDS[t[T_KIND]]} tb={t[T_TB]} "
-                           f"hg={t[T_HG]} d{t[T_SRC]}->d{t[T_DST]} {t[T_BYTES]}")
+                out.append(format_transfer(t))
         for ph in (FWD, BWD):
             for d in range(self.devices):
                 if device is not None and d != device:
                     continue
                 out.append(f"device {d} {PHASES[ph]}")
-                for i, (k, tb, hg, role, peer, nbytes) in enumerate(self.buffers[ph][d].tolist()):
-                    src = f" d{peer}" if role == RECVD else ""
-                    out.append(f"  buffer %{i} {KINDS[k]} tb={tb} hg={hg} {ROLES[role]}{src} {nbytes}")
+                for i, row in enumerate(self.buffers[ph][d].tolist()):
+                    out.append(f"  buffer %{i} " + format_buffer(row))
                 for row in self.code[ph][d].tolist():
                     out.append("  " + format_instr(row))
         return "\n".join(out) + "\n"
 
     @staticmethod
-    def from_text(text: str) -> "Program":
+    def from_text(text: str) -> Program:
         return parse_program(text)
 
 
+def format_transfer(t) -> str:
+    return (f"transfer t{t[T_TAG]} {PHASES[t[T_PHASE]]} {KINDS[t[T_KIND]]} tb={t[T_TB]} hg={t[T_HG]} "
+            f"d{t[T_SRC]}->d{t[T_DST]} {t[T_BYTES]}")
+
+
+def format_buffer(b) -> str:
+    src = f" d{b[BPEER]}" if b[BROLE] == RECVD else ""
+    return f"{KINDS[b[BK]]} tb={b[BTB]} hg={b[BHG]} {ROLES[b[BROLE]]}{src} {b[BBYTES]}"
+
+
 def format_instr(row) -> str:
-    op = row[0]
-    a = row[1:1 + N_OPERANDS[op]]
-    if op in (RECV, SEND):
-        return f"{OPS[op]} t{a[0]} d{a[1]} %{a[2]}"
-    if op == WAIT:
-        return f"wait t{a[0]}"
-    if op in (ATTN, ATTN_BWD):
-        return f"{OPS[op]} c{a[0]} " + " ".join(f"%{x}" for x in a[1:])
-    return f"{OPS[op]} %{a[0]} %{a[1]}"
+    """The text of one instruction row (operands spelled by what they name, e.g. ``attn c3 %0 %4 %7``)."""
+    op = row[OP]
+    if not 0 <= op < len(ISA):
+        return f"<opcode {op}> " + " ".join(str(x) for x in row[1:])
+    s = ISA[op]
+    return " ".join([s.name] + [f"{ARG_PREFIX[a]}{row[c]}" for a, c in zip(s.args, ARG_COLS)])
+
+
+# parsing ---------------------------------------------------------------------
+
+_MAX_DIGITS = 19  # int64 has at most 19 decimal digits
+_I64 = 1 << 63
 
 
 def _num(tok: str, prefix: str, lineno: int) -> int:
-    if not tok.startswith(prefix) or not tok[len(prefix):].lstrip("-").isdigit():
-        raise PlanFileError(f"program text line {lineno}: expected {prefix}<int>, got {tok!r}")
-    return int(tok[len(prefix):])
+    """The integer after ``prefix`` in ``tok``; it must fit int64 (checked before converting)."""
+    body = tok[len(prefix):] if tok.startswith(prefix) else ""
+    digits = body[1:] if body.startswith("-") else body
+    if not digits or not digits.isascii() or not digits.isdigit():
+        raise PlanFileError(f"program text line {lineno}: expected {prefix}<int>, got {tok[:40]!r}")
+    if len(digits.lstrip("0")) > _MAX_DIGITS or not -_I64 <= int(body) < _I64:
+        raise PlanFileError(f"program text line {lineno}: {tok[:40]!r} does not fit a 64-bit integer")
+    return int(body)
+
+
+def _word(tok: str, names: tuple, what: str, lineno: int) -> int:
+    if tok not in names:
+        raise PlanFileError(f"program text line {lineno}: unknown {what} {tok[:40]!r}; expected one of "
+                            f"{', '.join(names)}")
+    return names.index(tok)
+
+
+def _arity(w: list, n, lineno: int, form: str) -> None:
+    if len(w) not in ((n,) if isinstance(n, int) else n):
+        raise PlanFileError(f"program text line {lineno}: expected '{form}'")
+
+
+def _parse_transfer(w: list, no: int) -> list:
+    _arity(w, 8, no, "transfer t<tag> <phase> <kind> tb=<n> hg=<n> d<src>->d<dst> <bytes>")
+    src, arrow, dst = w[6].partition("->")
+    if not arrow:
+        raise PlanFileError(f"program text line {no}: expected d<src>->d<dst>, got {w[6][:40]!r}")
+    return [_num(w[1], "t", no), _word(w[2], PHASES, "phase", no), _word(w[3], KINDS, "kind", no),
+            _num(w[4], "tb=", no), _num(w[5], "hg=", no), _num(src, "d", no), _num(dst, "d", no),
+            _num(w[7], "", no)]
+
+
+def _parse_buffer(w: list, index: int, no: int) -> list:
+    _arity(w, (7, 8), no, "buffer %<i> <kind> tb=<n> hg=<n> <role> [d<src>] <bytes>")
+    if _num(w[1], "%", no) != index:
+        raise PlanFileError(f"program text line {no}: buffers must be numbered in order (expected %{index})")
+    role = _word(w[5], ROLES, "role", no)
+    if (len(w) == 8) != (role == RECVD):
+        raise PlanFileError(f"program text line {no}: only a 'recv' buffer names its source device")
+    peer = _num(w[6], "d", no) if role == RECVD else -1
+    return [_word(w[2], KINDS, "kind", no), _num(w[3], "tb=", no), _num(w[4], "hg=", no), role, peer,
+            _num(w[-1], "", no)]
+
+
+def _parse_instr(w: list, no: int) -> list:
+    s = OP_BY_NAME.get(w[0])
+    if s is None:
+        raise PlanFileError(f"program text line {no}: unknown instruction {w[0][:40]!r}; expected one of "
+                            f"{', '.join(OPS)} (or transfer, device, buffer)")
+    _arity(w, 1 + len(s.operands), no, " ".join([s.name] + [f"{ARG_PREFIX[a]}<{n}>" for a, n in
+                                                           zip(s.args, s.operands)]))
+    args = [_num(tok, ARG_PREFIX[a], no) for tok, a in zip(w[1:], s.args)]
+    return [s.code] + args + [0] * (len(ARG_COLS) - len(args))
+
+
+def _parse_header(w: list, no: int) -> int:
+    _arity(w, 2, no, "program devices=<n>")
+    n = _num(w[1], "devices=", no)
+    if not 1 <= n <= MAX_DEVICES:
+        raise PlanFileError(f"program text line {no}: devices={n} is outside [1, {MAX_DEVICES}] (MAX_DEVICES)")
+    return n
+
+
+def _parse_section(w: list, devices: int, seen: dict, no: int) -> tuple:
+    _arity(w, 3, no, "device <d> <phase>")
+    d, ph = _num(w[1], "", no), _word(w[2], PHASES, "phase", no)
+    if not 0 <= d < devices:
+        raise PlanFileError(f"program text line {no}: device {d} does not exist (devices={devices})")
+    if (ph, d) in seen:
+        raise PlanFileError(f"program text line {no}: a second section for device {d} {PHASES[ph]}")
+    seen[(ph, d)] = ([], [])
+    return seen[(ph, d)]
 
 
 def parse_program(text: str) -> Program:
-    """Inverse of :meth:`Program.to_text` (for the whole program)."""
-    lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    """Inverse of :meth:`Program.to_text` (for the whole program). Anything
+    malformed raises :class:`PlanFileError` naming the line."""
+    if not isinstance(text, str):
+        raise PlanFileError(f"program text must be a str, got {type(text).__name__}")
     devices = None
-    transfers, cur = [], None
-    buffers: dict = {}
-    code: dict = {}
-    for no, ln in enumerate(lines, 1):
-        if not ln:
+    transfers: list = []
+    sections: dict = {}
+    cur = None
+    for no, ln in enumerate(text.splitlines(), 1):
+        w = ln.split("#", 1)[0].split()
+        if not w:
             continue
-        w = ln.split()
-        try:
-            if w[0] == "program":
-                devices = _num(w[1], "devices=", no)
-            elif w[0] == "transfer":
-                src, dst = w[6].split("->")
-                transfers.append([_num(w[1], "t", no), PHASES.index(w[2]), KINDS.index(w[3]), _num(w[4], "tb=", no),
-                                  _num(w[5], "hg=", no), _num(src, "d", no), _num(dst, "d", no), int(w[7])])
-            elif w[0] == "device":
-                cur = (PHASES.index(w[2]), _num(w[1], "", no))
-                buffers[cur], code[cur] = [], []
-            elif cur is None:
-                raise PlanFileError(f"program text line {no}: {w[0]!r} outside a device section")
-            elif w[0] == "buffer":
-                if _num(w[1], "%", no) != len(buffers[cur]):
-                    raise PlanFileError(f"program text line {no}: buffers must be numbered in order")
-                role = ROLES.index(w[5])
-                peer = _num(w[6], "d", no) if role == RECVD else -1
-                buffers[cur].append([KINDS.index(w[2]), _num(w[3], "tb=", no), _num(w[4], "hg=", no), role, peer,
-                                     int(w[-1])])
-            else:
-                op = OPS.index(w[0])
-                args = []
-                for tok in w[1:]:
-                    args.append(int(tok.lstrip("tdc%")))
-                if len(args) != N_OPERANDS[op]:
-                    raise PlanFileError(f"program text line {no}: {w[0]} takes {N_OPERANDS[op]} operands")
-                code[cur].append([op] + args + [0] * (5 - len(args)))
-        except (ValueError, IndexError) as e:
-            raise PlanFileError(f"program text line {no}: cannot parse {ln!r} ({e})") from None
+        if devices is None:
+            if w[0] != "program":
+                raise PlanFileError(f"program text line {no}: expected the header 'program devices=<n>' first")
+            devices = _parse_header(w, no)
+        elif w[0] == "transfer":
+            transfers.append(_parse_transfer(w, no))
+        elif w[0] == "device":
+            cur = _parse_section(w, devices, sections, no)
+        elif cur is None:
+            raise PlanFileError(f"program text line {no}: {w[0][:40]!r} outside a device section")
+        elif w[0] == "buffer":
+            cur[0].append(_parse_buffer(w, len(cur[0]), no))
+        else:
+            cur[1].append(_parse_instr(w, no))
     if devices is None:
         raise PlanFileError("program text: missing 'program devices=N' header")
-    bufs = tuple(tuple(buffers.get((ph, d), []) for d in range(devices)) for ph in (FWD, BWD))
-    cds = tuple(tuple(code.get((ph, d), []) for d in range(devices)) for ph in (FWD, BWD))
-    return Program(devices, np.asarray(transfers, np.int64).reshape(-1, 8), bufs, cds)
+    empty: tuple[list, list] = ([], [])
+    bufs = tuple(tuple(sections.get((ph, d), empty)[0] for d in range(devices)) for ph in (FWD, BWD))
+    cds = tuple(tuple(sections.get((ph, d), empty)[1] for d in range(devices)) for ph in (FWD, BWD))
+    try:
+        return Program(devices, np.asarray(transfers, np.int64).reshape(-1, 8), bufs, cds)
+    except AttnplanError as e:
+        raise PlanFileError(f"program text: {e}") from None

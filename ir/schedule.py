@@ -1,6 +1,6 @@
 """Schedule: which stage each compute block runs in and which forward
 transfers feed it. Backward transfers follow from the forward ones (see
-:mod:`attnplan.backends.emit`)."""
+:mod:`attnplan.passes.emit`)."""
 
 from __future__ import annotations
 

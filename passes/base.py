@@ -6,15 +6,18 @@ in around passes (``instruments``), never inside them."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 from ..errors import AttnplanError, PlanError, VerifyError
+from ..ir.limits import MAX_COMPUTE_BLOCKS
 from ..ir.module import PlanIR
-from ..ir.verify import verify
+from ..ir.verify import VerifyCache, verify
 
-REGISTRY: dict[str, type] = {}
+REGISTRY: dict[str, type[Pass]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +46,20 @@ def strategies() -> tuple[str, ...]:
 
 
 def _convert(pass_name: str, field: dataclasses.Field, text: str):
+    """The value of option ``field`` from its text: ints in decimal (at most
+    19 digits), finite floats, booleans; anything else is a PlanError."""
     typ = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
     try:
         if typ.startswith("int"):
+            digits = text.strip().lstrip("+-")
+            if not digits.isascii() or not digits.isdigit() or len(digits.lstrip("0")) > 19:
+                raise ValueError(text)
             return int(text)
         if typ.startswith("float"):
-            return float(text)
+            value = float(text)
+            if not math.isfinite(value):
+                raise PlanError(f"pass {pass_name}: option {field.name} must be a finite number, got {text!r}")
+            return value
         if typ.startswith("bool"):
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(text)
@@ -113,9 +124,6 @@ def parse_pipeline(spec: str) -> list[Pass]:
 Instrument = Callable[[Pass, PlanIR, float], None]
 
 
-MAX_COMPUTE_BLOCKS = 300_000
-
-
 def run_pipeline(ir: PlanIR, passes: list[Pass], verify_each: bool = True,
                  instruments: tuple[Instrument, ...] = (), max_compute_blocks: int = MAX_COMPUTE_BLOCKS) -> PlanIR:
     """Apply ``passes`` in order; verify after each one (unless disabled) and
@@ -123,7 +131,7 @@ def run_pipeline(ir: PlanIR, passes: list[Pass], verify_each: bool = True,
     than ``max_compute_blocks`` compute blocks stops the pipeline with a
     PlanError instead of spending minutes lowering them (per-document zigzag
     of hundreds of short documents on 32 devices makes millions)."""
-    done: set = set()
+    done = VerifyCache()  # holds the verified levels themselves: a reused id cannot skip a check
     if verify_each:
         verify(ir, done)
     for p in passes:

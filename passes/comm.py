@@ -15,6 +15,7 @@ once, after its last write.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,7 @@ class Comm(Pass):
             raise PlanError(f"comm: mode must be p2p or ring, got {self.mode!r}")
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        g, pl = ir.graph, ir.placement
+        g, pl = ir.need_graph(), ir.need_placement()
         need = needed_transfers(g, pl)
         if self.mode == "p2p" or pl.devices == 1:
             stages = 1
@@ -67,7 +68,7 @@ class Comm(Pass):
             stages = pl.devices
             kv, cb_stage = ring_kv(g, pl)
         xfer = np.concatenate([_rows(X_Q, need[X_Q], 0), kv, _rows(X_O, need[X_O], stages - 1)])
-        return ir.replace(schedule=Schedule(stages, cb_stage, xfer), program=None)
+        return ir.with_levels(schedule=Schedule(stages, cb_stage, xfer))
 
 
 @register
@@ -75,11 +76,10 @@ class Comm(Pass):
 class Overlap(Pass):
     """Post each stage's transfers during the previous stage's compute, wait
     for a block right before its first use, and send partial outputs home as
-    soon as they are final (see :mod:`attnplan.backends.emit`)."""
+    soon as they are final (see :mod:`attnplan.passes.emit`)."""
 
     name = "overlap"
     needs = ("graph", "placement", "schedule")
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        import dataclasses
-        return ir.replace(schedule=dataclasses.replace(ir.schedule, overlap=True), program=None)
+        return ir.with_levels(schedule=dataclasses.replace(ir.need_schedule(), overlap=True))

@@ -33,7 +33,7 @@ deterministic; ties go to the lowest device / document index):
 
 * L is attention work: the document's exact allowed (q, k) pairs under the
   batch's mask (Skrull's cost model adds a per-token linear term; attnplan
-  balances attention FLOPs, the metric of DESIGN.md). A local document adds
+  balances attention FLOPs, the metric of docs/DESIGN.md). A local document adds
   its pairs to its rank, a distributed one pairs/N to every rank.
 * A distributed document charges each rank its exact token share of the
   per-document zigzag split (S/N in the pseudo-code, which assumes N divides
@@ -73,13 +73,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
-from ..ir.graph import build_graph
 from ..ir.mask import Q0, piece_counts
 from ..ir.module import PlanIR
-from ..ir.placement import Placement
+from ..ir.placement import chunk_bounds, place_segments, zigzag_device
 from ..ir.problem import Problem
 from .base import Pass, register
-from .zigzag import chunk_bounds, zigzag_device
 
 DISTRIBUTED = -1
 
@@ -213,8 +211,26 @@ def dacp_classify(problem: Problem, devices: int, bucket: int = 0, slack: float 
         return c
     c_auto = max(int(np.ceil(slack * T / devices)), all_distributed_tokens(problem.seqlens, devices))
     c = classify(problem.seqlens, loads, devices, c_auto)
-    assert c is not None, "DACP cannot get stuck with bucket >= C_dist"
+    if c is None:  # cannot happen (module doc): with C >= C_dist a rank without local documents fits its shares
+        raise PlanError(f"dacp: internal error: the heuristic got stuck with the automatic bucket {c_auto} >= "
+                        f"C_dist ({T} tokens, {len(problem.seqlens)} documents, {devices} devices); "
+                        f"pass an explicit bucket or use another strategy")
     return c
+
+
+def dacp_segments(problem: Problem, c: Classification, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Segment starts (sorted) and their devices: a local document is one
+    segment on its device, a distributed one its 2N zigzag chunks (empty chunks
+    of short documents repeat a start; the stable sort keeps the non-empty
+    chunk last, which is the one :func:`~attnplan.ir.placement.segment_home` picks)."""
+    off, local, dist = problem.offsets, c.device >= 0, c.distributed
+    m = 2 * n
+    lens = problem.seqlens[dist].astype(np.int64)
+    chunk_starts = off[dist][:, None] + (np.arange(m, dtype=np.int64)[None, :] * lens[:, None]) // m
+    starts = np.concatenate([off[:-1][local], chunk_starts.ravel()])
+    devs = np.concatenate([c.device[local], np.tile(zigzag_devices(n), len(dist))])
+    order = np.argsort(starts, kind="stable")
+    return starts[order], devs[order]
 
 
 @register
@@ -233,24 +249,5 @@ class Dacp(Pass):
             raise PlanError(f"dacp: slack must be >= 1.0, got {self.slack}")
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        p, n = ir.problem, ir.devices
-        c = dacp_classify(p, n, self.bucket, self.slack)
-        off = p.offsets
-        # segment starts with their device: a local document is one segment, a
-        # distributed one 2N zigzag chunks (empty chunks of short documents
-        # repeat a start; searchsorted "right" then picks the non-empty one)
-        dist = c.distributed
-        starts = [off[:-1][c.device >= 0]]
-        devs = [c.device[c.device >= 0]]
-        chunk_dev = zigzag_devices(n)
-        for doc in dist.tolist():
-            starts.append(off[doc] + zigzag_bounds(int(p.seqlens[doc]), n)[:-1])
-            devs.append(chunk_dev)
-        starts = np.concatenate(starts)
-        devs = np.concatenate(devs)
-        order = np.argsort(starts, kind="stable")
-        starts, devs = starts[order], devs[order]
-        g = build_graph(p, np.concatenate([ir.graph.tb_start, starts]), ir.graph.n_hg)
-        home = devs[np.searchsorted(starts, g.tb_start, "right") - 1].astype(np.int64)
-        pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=home[g.cb_q].copy())
-        return ir.replace(graph=g, placement=pl, schedule=None, program=None)
+        c = dacp_classify(ir.problem, ir.devices, self.bucket, self.slack)
+        return place_segments(ir, *dacp_segments(ir.problem, c, ir.devices))

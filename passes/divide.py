@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
+from ..ir.limits import MAX_STAGES
 from ..ir.module import PlanIR
 from ..ir.program import B_KV, B_Q, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB
@@ -48,15 +49,16 @@ class Divide(Pass):
     slack: float = 0.1
 
     def __post_init__(self):
-        if self.stages < 1:
-            raise PlanError(f"divide: stages must be at least 1, got {self.stages}")
+        if not 1 <= self.stages <= MAX_STAGES:
+            raise PlanError(f"divide: stages must be in 1..{MAX_STAGES}, got {self.stages}")
         if self.slack < 0:
             raise PlanError(f"divide: slack must be non-negative, got {self.slack}")
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        g, pl, s = ir.graph, ir.placement, ir.schedule
+        g, pl, s = ir.need_graph(), ir.need_placement(), ir.need_schedule()
         x = s.xfer
-        if s.stages != 1 or (len(x) and (x[:, XSRC] != np.where(x[:, XK] == X_O, x[:, XSRC], pl.home[x[:, XTB]])).any()):
+        forwarded = len(x) and (x[:, XSRC] != np.where(x[:, XK] == X_O, x[:, XSRC], pl.home[x[:, XTB]])).any()
+        if s.stages != 1 or forwarded:
             raise PlanError("divide needs a single-stage point-to-point schedule: run comm{mode=p2p} before it")
         K = self.stages
         n = pl.devices
@@ -116,4 +118,4 @@ class Divide(Pass):
         xfer = x.copy()
         for i, (k, tb, hg, _, dst) in enumerate(x[:, [XK, XTB, XHG, XSRC, XDST]].tolist()):
             xfer[i, XSTAGE] = K - 1 if k == X_O else arrive.get((k, tb, hg, dst), 0)
-        return ir.replace(schedule=dataclasses.replace(s, stages=K, cb_stage=stage, xfer=xfer), program=None)
+        return ir.with_levels(schedule=dataclasses.replace(s, stages=K, cb_stage=stage, xfer=xfer))

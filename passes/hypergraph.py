@@ -129,8 +129,8 @@ def side_bytes(g: BlockGraph) -> tuple[np.ndarray, np.ndarray]:
     communication, forward + backward: (Q side, KV side), each ``[n_tb, n_hg]``."""
     tb = np.repeat(np.arange(g.n_tb), g.n_hg)
     hg = np.tile(np.arange(g.n_hg), g.n_tb)
-    q = sum(buffer_bytes(g, ph, k, tb, hg) for ph, k in ((FWD, B_Q), (FWD, B_O), (BWD, B_Q), (BWD, B_DQ)))
-    kv = sum(buffer_bytes(g, ph, k, tb, hg) for ph, k in ((FWD, B_KV), (BWD, B_KV), (BWD, B_DKV)))
+    q = np.sum([buffer_bytes(g, ph, k, tb, hg) for ph, k in ((FWD, B_Q), (FWD, B_O), (BWD, B_Q), (BWD, B_DQ))], 0)
+    kv = np.sum([buffer_bytes(g, ph, k, tb, hg) for ph, k in ((FWD, B_KV), (BWD, B_KV), (BWD, B_DKV))], 0)
     return q.reshape(g.n_tb, g.n_hg), kv.reshape(g.n_tb, g.n_hg)
 
 
@@ -456,7 +456,7 @@ class HypergraphPlacement(Pass):
         node_eps = self.eps / 4 if nodes > 1 else 0.0
         mean = p.pairs() / n
         limit = (self.grain or (self.eps - node_eps)) * mean
-        g = refine(ir, ir.graph, mean, limit, self.block, self.min_block, self.head_groups)
+        g = refine(ir, ir.need_graph(), mean, limit, self.block, self.min_block, self.head_groups)
         h = build_hypergraph(g)
         work_cap = math.floor((1 + self.eps) * mean)
         tok_mean = p.tokens / n
@@ -480,4 +480,4 @@ class HypergraphPlacement(Pass):
             local = lv.solve(min(max(eps_local, 1e-3), 10.0), work_cap, tok_cap, self.seed)
             dev[verts] = node * dpn + local
         pl = Placement(devices=n, nodes=nodes, home=dev[h.n_cb:].copy(), cb_device=dev[:h.n_cb].copy())
-        return ir.replace(graph=g, placement=pl, schedule=None, program=None)
+        return ir.with_levels(graph=g, placement=pl)

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
-from ..ir.graph import _expand, build_graph
+from ..ir.graph import _expand
 from ..ir.mask import Q0, Q1, piece_counts, tighten
 from ..ir.module import PlanIR
-from ..ir.placement import Placement
+from ..ir.placement import chunk_bounds, place_segments
 from .base import Pass, register
-from .zigzag import chunk_bounds
 
 
 def interval_pairs(pieces: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -125,10 +124,5 @@ class MinHeap(Pass):
             k *= 2
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        g, n = ir.graph, ir.devices
         _, bounds, dev = self.chunks_per_device(ir)
-        g = build_graph(ir.problem, np.concatenate([g.tb_start, bounds]), g.n_hg)
-        chunk = np.searchsorted(bounds, g.tb_start, "right") - 1
-        home = dev[chunk]
-        pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=home[g.cb_q].copy())
-        return ir.replace(graph=g, placement=pl, schedule=None, program=None)
+        return place_segments(ir, bounds[:-1], dev)

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.graph import build_graph
 from ..ir.module import PlanIR
-from ..ir.placement import Placement
+from ..ir.placement import place_segments
 from .base import Pass, register
 
 
@@ -58,13 +57,9 @@ class PerDoc(Pass):
     strategy = True
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        g, p, n = ir.graph, ir.problem, ir.devices
-        sizes, dev = per_doc_chunks(p.seqlens, n)
+        p = ir.problem
+        sizes, dev = per_doc_chunks(p.seqlens, ir.devices)
         starts = (p.offsets[:-1, None] + np.cumsum(sizes, axis=1) - sizes).ravel()
         chunk_dev = np.broadcast_to(dev, sizes.shape).ravel()
-        keep = sizes.ravel() > 0
-        starts, chunk_dev = starts[keep], chunk_dev[keep]  # sorted: documents in order, chunks in order
-        g = build_graph(p, np.concatenate([g.tb_start, starts]), g.n_hg)
-        home = chunk_dev[np.searchsorted(starts, g.tb_start, "right") - 1].astype(np.int64)
-        pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=home[g.cb_q].copy())
-        return ir.replace(graph=g, placement=pl, schedule=None, program=None)
+        keep = sizes.ravel() > 0  # sorted: documents in order, chunks in order
+        return place_segments(ir, starts[keep], chunk_dev[keep])

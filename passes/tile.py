@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import PlanError
 from ..ir.graph import build_graph, sample_cuts
+from ..ir.limits import MAX_BLOCK_SIZE, MAX_HEADS
 from ..ir.module import PlanIR
 from .base import Pass, register
 
@@ -20,13 +21,13 @@ class Tile(Pass):
     head_groups: int = 1
 
     def __post_init__(self):
-        if self.block <= 0:
-            raise PlanError(f"tile: block must be a positive integer, got {self.block}")
-        if self.head_groups <= 0:
-            raise PlanError(f"tile: head_groups must be a positive integer, got {self.head_groups}")
+        for name, hi, limit in (("block", MAX_BLOCK_SIZE, "MAX_BLOCK_SIZE"), ("head_groups", MAX_HEADS, "MAX_HEADS")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                raise PlanError(f"tile: {name} must be an integer in [1, {hi}] ({limit}), got {v!r}")
 
     def apply(self, ir: PlanIR) -> PlanIR:
         if self.head_groups > ir.problem.kv_heads:
             raise PlanError(f"tile: head_groups={self.head_groups} exceeds kv_heads={ir.problem.kv_heads}")
         g = build_graph(ir.problem, sample_cuts(ir.problem, self.block), self.head_groups)
-        return ir.replace(graph=g, placement=None, schedule=None, program=None)
+        return ir.with_levels(graph=g)

@@ -47,29 +47,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
-from ..ir.graph import BlockGraph, build_graph, sample_cuts
+from ..ir.graph import BlockGraph, sample_cuts
 from ..ir.module import PlanIR
-from ..ir.placement import Placement
+from ..ir.placement import chunk_bounds, place_segments, zigzag_device
 from ..ir.program import B_KV, B_O, B_Q, FWD, buffer_bytes
 from .base import Pass, register
-from .zigzag import chunk_bounds, zigzag_device
 
 MAX_AUTO_HEAD_GROUPS = 4  # more groups multiply blocks and transfers; sequence blocks already give the granularity
 
 
-def split_homes(g: BlockGraph, devices: int, zigzag: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """``(cut points, home of every token block)`` of an equal split of the packed
-    axis: contiguous (device i holds the i-th N-th) or zigzag (chunks i and 2N-1-i
-    of 2N). The cut points must be in ``g``'s token block boundaries."""
-    T, n = g.problem.tokens, devices
-    parts = 2 * n if zigzag else n
-    bounds = chunk_bounds(T, parts)
-    return bounds, bounds_home(g.tb_start, bounds, n, zigzag)
-
-
-def bounds_home(tb_start: np.ndarray, bounds: np.ndarray, devices: int, zigzag: bool) -> np.ndarray:
-    part = (np.searchsorted(bounds, tb_start, "right") - 1).astype(np.int64)
-    return zigzag_device(part, devices) if zigzag else part
+def split_segments(tokens: int, devices: int, zigzag: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(segment starts, their devices)`` of an equal split of the packed axis:
+    contiguous (device i holds the i-th N-th) or zigzag (chunks i and 2N-1-i of 2N)."""
+    parts = np.arange(2 * devices if zigzag else devices)
+    bounds = chunk_bounds(tokens, len(parts))
+    return bounds[:-1], (zigzag_device(parts, devices) if zigzag else parts)
 
 
 def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: float,
@@ -172,17 +164,15 @@ class TilePool(Pass):
         if self.head_groups > p.kv_heads:
             raise PlanError(f"tile_pool: head_groups={self.head_groups} exceeds kv_heads={p.kv_heads}")
         hg = self.head_groups or min(p.kv_heads, MAX_AUTO_HEAD_GROUPS)
-        zz = self.homes == "zigzag"
-        bounds, _ = split_homes(ir.graph, n, zz)
-        base = np.concatenate([ir.graph.tb_start, bounds])
-        block = self.block or int(ir.graph.tb_len.max(initial=1))
+        starts, devs = split_segments(p.tokens, n, self.homes == "zigzag")
+        block = self.block or int(ir.need_graph().tb_len.max(initial=1))
+
+        def assign(g: BlockGraph, home: np.ndarray) -> np.ndarray:
+            return pool_assign(g, home, n, ir.nodes, self.eps, self.inter_cost, self.locality)
+
         while True:
-            g = build_graph(p, np.concatenate([base, sample_cuts(p, block)]), hg)
-            home = bounds_home(g.tb_start, bounds, n, zz)
-            dev = pool_assign(g, home, n, ir.nodes, self.eps, self.inter_cost, self.locality)
-            load = np.bincount(dev, weights=g.cb_pairs, minlength=n)
+            out = place_segments(ir, starts, devs, extra_cuts=sample_cuts(p, block), head_groups=hg, compute=assign)
+            load = np.bincount(out.need_placement().cb_device, weights=out.need_graph().cb_pairs, minlength=n)
             if self.block or block // 2 < self.min_block or load.max(initial=0) <= (1 + self.eps) * load.mean():
-                break
+                return out
             block //= 2
-        pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=dev)
-        return ir.replace(graph=g, placement=pl, schedule=None, program=None)

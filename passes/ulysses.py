@@ -33,11 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
-from ..ir.graph import build_graph
 from ..ir.module import PlanIR
-from ..ir.placement import Placement
+from ..ir.placement import chunk_bounds, place_segments
 from .base import Pass, register
-from .zigzag import chunk_bounds
 
 
 @register
@@ -56,8 +54,6 @@ class Ulysses(Pass):
         if kv % n and not self.uneven:
             raise PlanError(f"ulysses: {kv} kv heads over {n} devices is not supported: kv_heads must be a "
                             f"multiple of devices (or pass ulysses{{uneven=true}} for uneven head groups)")
+        # contiguous shares homed in device order; head group h computed on device h
         bounds = chunk_bounds(ir.problem.tokens, n)
-        g = build_graph(ir.problem, np.concatenate([ir.graph.tb_start, bounds]), n)
-        home = (np.searchsorted(bounds, g.tb_start, "right") - 1).astype(np.int64)
-        pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=g.cb_hg.astype(np.int64, copy=True))
-        return ir.replace(graph=g, placement=pl, schedule=None, program=None)
+        return place_segments(ir, bounds[:-1], np.arange(n), head_groups=n, compute=lambda g, home: g.cb_hg)

@@ -10,22 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.graph import build_graph
 from ..ir.module import PlanIR
-from ..ir.placement import Placement
+from ..ir.placement import chunk_bounds, place_segments, zigzag_device
 from .base import Pass, register
 
-
-def chunk_bounds(tokens: int, chunks: int) -> np.ndarray:
-    """``chunks + 1`` boundaries of an even split of ``[0, tokens)`` (sizes differ
-    by at most one; chunks are empty when ``chunks > tokens``)."""
-    return (np.arange(chunks + 1, dtype=np.int64) * tokens) // chunks
-
-
-def zigzag_device(chunk, n: int) -> np.ndarray:
-    """Device of zigzag chunk ``chunk`` of 2n: chunk j on device j, or 2n-1-j in the second half."""
-    chunk = np.asarray(chunk, dtype=np.int64)
-    return np.where(chunk < n, chunk, 2 * n - 1 - chunk)
+__all__ = ["Zigzag", "chunk_bounds", "zigzag_device"]
 
 
 @register
@@ -37,10 +26,6 @@ class Zigzag(Pass):
     default_comm = "ring"  # what ring-flash-attn / TransformerEngine run today
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        g, n = ir.graph, ir.devices
+        n = ir.devices
         bounds = chunk_bounds(ir.problem.tokens, 2 * n)
-        g = build_graph(ir.problem, np.concatenate([g.tb_start, bounds]), g.n_hg)
-        chunk = np.searchsorted(bounds, g.tb_start, "right") - 1
-        home = zigzag_device(chunk, n)
-        pl = Placement(devices=n, nodes=ir.nodes, home=home, cb_device=home[g.cb_q].copy())
-        return ir.replace(graph=g, placement=pl, schedule=None, program=None)
+        return place_segments(ir, bounds[:-1], zigzag_device(np.arange(2 * n), n))

@@ -1,19 +1,25 @@
 """``plan calibrate``: measure this machine's attention kernel and gloo
 transfer rates and write a cost profile (JSON) that ``--profile FILE.json``
-uses. Medians of repeats; timings on shared machines vary (DESIGN.md)."""
+uses. Medians of repeats; timings on shared machines vary (docs/DESIGN.md)."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import statistics
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 
 from ..backends.cost import PROFILES
+from ..errors import PlanError, TransportError
+from ..ir import limits
+
+TRANSFER_TIMEOUT_S = 120.0  # the two-process ping-pong; it takes a few seconds
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -44,8 +50,10 @@ def _free_port() -> int:
 
 def _pingpong(rank: int, port: int, sizes, repeats: int, out) -> None:
     import torch.distributed as dist
+
+    from .rendezvous import init_group
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_group(rank, 2, TRANSFER_TIMEOUT_S, "127.0.0.1", port)  # the store listens on 127.0.0.1 only
     res = {}
     for n in sizes:
         buf = torch.zeros(n // 4, dtype=torch.float32)
@@ -68,7 +76,8 @@ def _pingpong(rank: int, port: int, sizes, repeats: int, out) -> None:
 
 
 def transfer_rate(repeats: int = 5) -> tuple[float, float]:
-    """(bytes/s, latency s) of gloo point-to-point between two local processes."""
+    """(bytes/s, latency s) of gloo point-to-point between two local
+    processes; TransportError if they do not report within TRANSFER_TIMEOUT_S."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -77,9 +86,18 @@ def transfer_rate(repeats: int = 5) -> tuple[float, float]:
     procs = [ctx.Process(target=_pingpong, args=(r, port, sizes, repeats, q)) for r in range(2)]
     for p in procs:
         p.start()
-    res = q.get(timeout=120)
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        res = q.get(timeout=TRANSFER_TIMEOUT_S)
+    except queue.Empty:
+        codes = [p.exitcode for p in procs]
+        raise TransportError(f"calibrate: the gloo ping-pong between two local processes (port {port}) did not "
+                             f"finish within {TRANSFER_TIMEOUT_S:g} s (exit codes {codes})") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
     small, big = res[sizes[0]], res[sizes[1]]
     bw = (sizes[1] - sizes[0]) / max(big - small, 1e-9)
     return bw, small
@@ -87,7 +105,10 @@ def transfer_rate(repeats: int = 5) -> tuple[float, float]:
 
 def calibrate(repeats: int = 5) -> dict:
     """Kernel and transfer rates with one intra-op thread, as every process of
-    the multi-process runtime runs (DESIGN.md: set_num_threads(1) per worker)."""
+    the multi-process runtime runs (docs/DESIGN.md: set_num_threads(1) per worker).
+    ``repeats``: 1..MAX_REPEATS (PlanError otherwise)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= limits.MAX_REPEATS:
+        raise PlanError(f"repeats must be an integer in 1..{limits.MAX_REPEATS}, got {repeats!r}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -101,7 +122,15 @@ def calibrate(repeats: int = 5) -> dict:
 
 
 def write_profile(path: str, repeats: int = 5) -> dict:
+    """Measure and write the profile to ``path``, whose folder is checked
+    before measuring (PlanError naming the path)."""
+    folder = Path(path).parent
+    if Path(path).is_dir() or not folder.is_dir():
+        raise PlanError(f"{path}: cannot write cost profile: "
+                        f"{'it is a directory' if Path(path).is_dir() else f'folder {folder} does not exist'}")
     prof = calibrate(repeats)
-    with open(path, "w") as f:
-        json.dump(prof, f, indent=1)
+    try:
+        Path(path).write_text(json.dumps(prof, indent=1) + "\n")
+    except OSError as e:
+        raise PlanError(f"{path}: cannot write cost profile: {e.strerror or e}") from None
     return prof

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import PlanError
 from ..ir.mask import K0, Q0
+from ..ir.module import PlanIR
 from .executor import execute
 from .reference import dense_allowed, dense_attention
 
@@ -22,8 +23,22 @@ MAX_CHECK_SAMPLE = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _ir(plan) -> PlanIR:
+    """The PlanIR to run: ``plan`` itself, or the ``.ir`` of an object holding one."""
+    ir = plan if isinstance(plan, PlanIR) else getattr(plan, "ir", None)
+    if not isinstance(ir, PlanIR):
+        raise PlanError(f"expected a PlanIR (plan.ir), got {type(plan).__name__}")
+    return ir
+
+
 def random_inputs(plan, dtype: str, seed: int):
-    p = plan.problem
+    """Standard-normal q, k, v, dout for ``plan`` (a PlanIR, or an object
+    holding one as ``.ir``) from an explicit ``seed`` in [0, 2^63)."""
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise PlanError(f"seed must be an integer in [0, 2^63), got {seed!r}"[:200])
+    p = _ir(plan).problem
     gen = torch.Generator().manual_seed(seed)
     T = p.tokens
 
@@ -38,7 +53,7 @@ def run_plan(plan, dtype: str = "float32", seed: int = 0):
     """Forward and backward on random inputs; returns (out, dq, dk, dv, inputs)."""
     q, k, v, dout = random_inputs(plan, dtype, seed)
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
-    out = execute(plan.ir, q, k, v)
+    out = execute(_ir(plan), q, k, v)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     return out.detach(), dq, dk, dv, (q.detach(), k.detach(), v.detach(), dout)
 
@@ -81,7 +96,8 @@ def reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 << 22):
             m = s.amax(dim=-1, keepdim=True)
             p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
             den = p.sum(dim=-1, keepdim=True)
-            p.div_(torch.where(den > 0, den, torch.ones_like(den)))
+            # rows without keys: out 0; rows whose allowed scores are all -inf (infinite inputs): 0/0 = NaN
+            p.div_(torch.where(allowed.any(dim=1)[None, :, None], den, torch.ones_like(den)))
             oc = torch.einsum("hqk,khd->qhd", p, ve)
             delta = (doc * oc).sum(-1).transpose(0, 1).unsqueeze(-1)  # [H, c, 1]
             ds = p * (torch.einsum("qhd,khd->hqk", doc, ve) - delta)
@@ -117,7 +133,7 @@ def reference_autograd(problem, q, k, v, dout, scale: float):
 
 def check_size(plan) -> None:
     """The dense reference is built per sample: refuse samples over the limit."""
-    biggest = int(plan.problem.seqlens.max())
+    biggest = int(_ir(plan).problem.seqlens.max())
     if biggest > MAX_CHECK_SAMPLE:
         raise PlanError(f"--check builds a dense reference per sample; the largest sample has {biggest} tokens "
                         f"(limit {MAX_CHECK_SAMPLE})")
@@ -136,9 +152,9 @@ def compare(plan, dtype: str, got, inputs) -> dict:
     (q, k, v, dout)`` against the dense float64 reference (see :func:`check_plan`)."""
     out, dq, dk, dv = got
     q, k, v, dout = inputs
-    scale = 1.0 / math.sqrt(plan.problem.head_dim)
-    ref_out, (rq, rk, rv) = reference(plan.problem, q, k, v, dout, scale)
-    res = {"tol": {}, "ok": True}
+    problem = _ir(plan).problem
+    ref_out, (rq, rk, rv) = reference(problem, q, k, v, dout, 1.0 / math.sqrt(problem.head_dim))
+    res: dict = {"tol": {}, "ok": True}
     for name, got, want in (("out", out, ref_out), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
         err = float((got.to(torch.float64) - want).abs().max()) if want.numel() else 0.0
         err /= max(1.0, float(want.abs().max()) if want.numel() else 1.0)

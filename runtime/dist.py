@@ -19,7 +19,11 @@ refused before any transfer.)
 Backward transfers are issued by :class:`DistAttention`'s backward, a custom
 ``torch.autograd.Function``, in the plan's order on every rank — never by
 autograd of collectives (whose order can differ between ranks and silently
-mix tensors: DESIGN.md).
+mix tensors: docs/DESIGN.md).
+
+Every function here takes the IR (``plan.ir``, a compiled
+:class:`~attnplan.ir.module.PlanIR`) and plain values, never the face's
+``Plan``; the plan fingerprint of the handshake hashes the IR's arrays.
 
 Checks, all before the plan's first transfer: the group has exactly
 ``plan.devices`` ranks (:class:`PlanError`); inputs have this rank's token
@@ -41,20 +45,24 @@ import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..errors import PlanError, ShapeError
+from ..ir import limits
 from ..ir.interp import transfer_key
+from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD, PHASES
 from . import layout
-from .executor import check_inputs
+from .executor import check_inputs, resolve_scale
+from .kernels import settle_rows_without_mass
 from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, pack
 from .transport import TransportError
 
-DEFAULT_TIMEOUT = float(os.environ.get("ATTNPLAN_TIMEOUT", "300"))
+TIMEOUT_ENV = "ATTNPLAN_TIMEOUT"  # default seconds a transfer may take (300 when unset)
 _MAX_TAG = (1 << 31) - 1
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
@@ -64,7 +72,7 @@ class GroupInfo:
     """A process group as the plan sees it: ``rank`` = this process's device,
     ``ranks[d]`` = the global rank of device ``d``."""
 
-    group: object
+    group: Any
     rank: int
     ranks: tuple
     backend: str
@@ -94,6 +102,32 @@ def resolve_group(plan_ir, group=None) -> GroupInfo:
 
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
+
+
+def _plan_ir(plan_ir) -> PlanIR:
+    """The runtime takes the IR (``plan.ir``), compiled down to programs."""
+    if not isinstance(plan_ir, PlanIR):
+        raise PlanError(f"the distributed runtime takes a PlanIR (plan.ir), got {type(plan_ir).__name__}")
+    if plan_ir.program is None or plan_ir.graph is None or plan_ir.placement is None:
+        raise PlanError("this PlanIR has no per-device programs yet: run the pipeline through emit first")
+    return plan_ir
+
+
+def resolve_timeout(timeout) -> float:
+    """Seconds a transfer may take: ``timeout``, else ``$ATTNPLAN_TIMEOUT``, else
+    300; a finite number in (0, MAX_TIMEOUT_S] (:class:`PlanError` otherwise)."""
+    src = "timeout"
+    if timeout is None:
+        timeout, src = os.environ.get(TIMEOUT_ENV, "300"), f"${TIMEOUT_ENV}"
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, (int, float, str, np.integer, np.floating)):
+        raise PlanError(f"{src} must be a number of seconds, got {type(timeout).__name__}")
+    try:
+        t = float(timeout)
+    except (ValueError, OverflowError):
+        raise PlanError(f"{src} must be a number of seconds, got {str(timeout)[:40]!r}") from None
+    if not (math.isfinite(t) and 0 < t <= limits.MAX_TIMEOUT_S):
+        raise PlanError(f"{src} must be positive finite seconds, at most {limits.MAX_TIMEOUT_S:,}, got {t!r}")
+    return t
 
 
 class TorchTransport:
@@ -172,15 +206,42 @@ _HANDSHAKES: "OrderedDict[tuple, object]" = OrderedDict()  # key -> plan ir (kep
 _GENERATIONS: dict = {}
 
 
-def plan_fingerprint(plan) -> bytes:
-    """sha256 of the plan's canonical bytes (the deterministic part of its file)."""
-    return hashlib.sha256(plan.canonical_bytes()).digest()
+def _fingerprint_parts(ir: PlanIR):
+    """Everything a rank's execution reads: the problem, the token and head
+    blocks, the tiles' mask pieces, the homes, and every device's programs."""
+    p, g, prog, pl = ir.problem, ir.graph, ir.program, ir.placement
+    if g is None or prog is None or pl is None:
+        raise PlanError("this PlanIR has no per-device programs yet: run the pipeline through emit first")
+    yield "shape", np.array([ir.devices, p.heads, p.kv_heads, p.head_dim, prog.devices], np.int64)
+    yield "seqlens", p.seqlens
+    yield "pieces", p.pieces.a
+    for name in ("tb_start", "tb_end", "hg_start", "hg_end", "tile_ptr", "pieces", "cb_tile", "cb_q", "cb_k"):
+        yield "graph." + name, getattr(g, name)
+    yield "home", pl.home
+    yield "transfers", prog.transfers
+    for phase in (FWD, BWD):
+        for d in range(prog.devices):
+            yield f"buffers{phase}.{d}", prog.buffers[phase][d]
+            yield f"code{phase}.{d}", prog.code[phase][d]
 
 
-def handshake(plan, info: GroupInfo, q, k, timeout: float) -> None:
+def plan_fingerprint(plan_ir) -> bytes:
+    """sha256 over what the runtime executes of ``plan_ir`` (the arrays of
+    :func:`_fingerprint_parts`, each with its name, dtype and shape): equal on
+    two ranks iff they run the same plan. Needs nothing above the IR."""
+    h = hashlib.sha256()
+    for name, a in _fingerprint_parts(_plan_ir(plan_ir)):
+        a = np.ascontiguousarray(a)
+        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.digest()
+
+
+def handshake(plan_ir, info: GroupInfo, q, k, timeout: float) -> None:
     """Prove every rank of the group holds the same plan and inputs of the same
     dtype and shape; once per (plan, group, dtype, shapes)."""
-    key = (id(plan.ir), id(info.group), info.ranks, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]))
+    plan = _plan_ir(plan_ir)
+    key = (id(plan), id(info.group), info.ranks, q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]))
     if key in _HANDSHAKES:
         _HANDSHAKES.move_to_end(key)
         return
@@ -220,7 +281,7 @@ def handshake(plan, info: GroupInfo, q, k, timeout: float) -> None:
             desc = "; ".join(f"device(s) {', '.join(map(str, rs))}: {dt} q heads/dim {a}/{b}, kv {c}/{d}"
                              for (dt, a, b, c, d), rs in shapes.items())
             raise ShapeError(f"device {info.rank}: the ranks' inputs differ in dtype or shape ({desc})")
-    _HANDSHAKES[key] = plan.ir
+    _HANDSHAKES[key] = plan
     while len(_HANDSHAKES) > 16:
         _HANDSHAKES.popitem(last=False)
 
@@ -240,7 +301,7 @@ def _next_generation(plan_ir, info: GroupInfo) -> int:
 class _Call:
     """Everything one attention call's forward and backward need."""
 
-    ir: object
+    ir: PlanIR
     info: GroupInfo | None
     device: int
     generation: int
@@ -275,6 +336,7 @@ class DistAttention(torch.autograd.Function):
         out = torch.zeros(T, Hq, D, dtype=acc)
         lse = torch.full((T, Hq), NEG_INF, dtype=acc)
         call.run(FWD, {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out, "lse": lse}, q.dtype)
+        settle_rows_without_mass(out, lse, layout.local_index(call.ir, call.device), call.ir.problem.pieces.a)
         res = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, res, lse)
         ctx.call = call
@@ -290,46 +352,51 @@ class DistAttention(torch.autograd.Function):
         return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype), None
 
 
-def _prepare(plan, q, k, v, group, timeout):
-    ir = plan.ir
+def _prepare(plan_ir, q, k, v, group, timeout):
+    """Check the plan, the group, the inputs and the timeout, and hand shake;
+    all before the first transfer. Returns (ir, group info, rank, timeout)."""
+    ir = _plan_ir(plan_ir)
+    timeout = resolve_timeout(timeout)
     if ir.devices == 1 and not (dist.is_available() and dist.is_initialized()):
         info, rank = None, 0
     else:
         info = resolve_group(ir, group)
         rank = info.rank
     check_inputs(ir, q, k, v, tokens=layout.local_tokens(ir, rank), where=f"device {rank}: ")
-    timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    if not timeout > 0:
-        raise PlanError(f"timeout must be positive seconds, got {timeout!r}")
     if info is not None:
-        handshake(plan, info, q, k, timeout)
+        handshake(ir, info, q, k, timeout)
     return ir, info, rank, timeout
 
 
-def attention(q, k, v, plan, group=None, *, softmax_scale: float | None = None, timeout: float | None = None,
+def attention(q, k, v, plan_ir, group=None, *, softmax_scale: float | None = None, timeout: float | None = None,
               timings: Timings | None = None):
-    """Attention of this rank's local tokens under ``plan``; autograd-aware.
+    """Attention of this rank's local tokens under ``plan_ir`` (a compiled
+    :class:`~attnplan.ir.module.PlanIR`: ``plan.ir``); autograd-aware.
 
     ``q [T_local, Hq, D]``, ``k``/``v [T_local, Hkv, D]`` in the plan's local
     layout (``plan.dispatch``). Returns the local output ``[T_local, Hq, D]``
-    in q's dtype. ``group``: the process group whose rank ``d`` is the plan's
-    device ``d`` (default: the default group). ``timeout``: seconds a transfer
-    may take before :class:`TransportError` (default ``$ATTNPLAN_TIMEOUT`` or
-    300). ``timings``: a :class:`~attnplan.runtime.runner.Timings` that
+    in q's dtype. Any strides: q, k, v are made contiguous once here (the
+    gradients come back in the caller's layout). ``group``: the process
+    group whose rank ``d`` is the plan's device ``d`` (default: the default
+    group). ``softmax_scale``: a finite number > 0 (default 1/sqrt(head_dim);
+    :class:`ShapeError` otherwise). ``timeout``: seconds a transfer may take
+    before :class:`TransportError` (default ``$ATTNPLAN_TIMEOUT`` or 300).
+    ``timings``: a :class:`~attnplan.runtime.runner.Timings` that
     accumulates this rank's kernel, wait and wall seconds, forward and
     backward. A one-device plan also runs without torch.distributed."""
-    ir, info, rank, timeout = _prepare(plan, q, k, v, group, timeout)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = resolve_scale(softmax_scale, _plan_ir(plan_ir).problem.head_dim)
+    ir, info, rank, timeout = _prepare(plan_ir, q, k, v, group, timeout)
     gen = 0 if info is None else _next_generation(ir, info)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return DistAttention.apply(q, k, v, _Call(ir, info, rank, gen, scale, timeout, timings))
 
 
-def replay_comm(plan, q, k, v, group=None, timeout: float | None = None) -> dict:
+def replay_comm(plan_ir, q, k, v, group=None, timeout: float | None = None) -> dict:
     """Run only the transfers of the plan's forward and backward streams (no
     kernels; partials travel as zeros). Returns this rank's wall seconds per
     phase: the plan's transfer time when nothing hides it."""
     import time
-    ir, info, rank, timeout = _prepare(plan, q, k, v, group, timeout)
+    ir, info, rank, timeout = _prepare(plan_ir, q, k, v, group, timeout)
     res = {}
     for phase in (FWD, BWD):
         call = _Call(ir, info, rank, 0 if info is None else _next_generation(ir, info), 1.0, timeout, None,
@@ -387,9 +454,9 @@ class _Undispatch(torch.autograd.Function):
         return g.index_select(0, ctx.idx), None, None, None
 
 
-def undispatch(plan, x_local, group=None, timeout: float | None = None):
+def undispatch(plan_ir, x_local, group=None, timeout: float | None = None):
     """Gather every rank's local rows into the global token order, on every rank."""
-    ir = plan.ir
+    ir = _plan_ir(plan_ir)
     if ir.devices == 1 and not (dist.is_available() and dist.is_initialized()):
         if not isinstance(x_local, torch.Tensor) or x_local.shape[0] != ir.problem.tokens:
             raise ShapeError(f"undispatch: expected {ir.problem.tokens} local rows, got "
@@ -400,4 +467,4 @@ def undispatch(plan, x_local, group=None, timeout: float | None = None):
     if not isinstance(x_local, torch.Tensor) or x_local.dim() < 1 or x_local.shape[0] != n:
         raise ShapeError(f"undispatch: device {info.rank} holds {n} tokens, got shape "
                          f"{list(getattr(x_local, 'shape', [])) or type(x_local).__name__}")
-    return _Undispatch.apply(x_local, ir, info, DEFAULT_TIMEOUT if timeout is None else float(timeout))
+    return _Undispatch.apply(x_local, ir, info, resolve_timeout(timeout))

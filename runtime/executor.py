@@ -13,17 +13,26 @@ devices and transfer keys.
 Forward and backward go through :class:`PlanAttention`, a custom
 ``torch.autograd.Function``: every compute block's backward uses the global
 (merged) out and lse of its query rows, as exactness requires.
+
+What users hand in is checked here, at entry (:func:`check_inputs`,
+:func:`resolve_scale`): shapes, dtype and device (:class:`ShapeError`), a
+softmax scale that is a finite number > 0 (:class:`ShapeError`). Inputs of
+any strides are made contiguous once, so every kernel reads the layout the
+runtime's buffers use (the CPU op misreads a head_dim stride other than 1).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..errors import PlanError, ShapeError
 from ..ir.interp import cooperate, transfer_key
+from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD
+from .kernels import check_scale, settle_rows_without_mass
 from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -72,12 +81,19 @@ class _Endpoint:
 
 def check_inputs(plan_ir, q, k, v, tokens: int | None = None, where: str = "") -> None:
     """Shapes ``[tokens, heads, head_dim]`` (``tokens`` defaults to the whole
-    batch), one floating dtype, one device; else :class:`ShapeError`."""
+    batch), one floating dtype, dense CPU tensors; else :class:`ShapeError`.
+    The plan must be compiled down to programs (:class:`PlanError`)."""
+    if not isinstance(plan_ir, PlanIR):
+        raise PlanError(f"the runtime takes a PlanIR (plan.ir), got {type(plan_ir).__name__}")
+    if plan_ir.program is None or plan_ir.graph is None:
+        raise PlanError("this PlanIR has no per-device programs yet: run the pipeline through emit first")
     p = plan_ir.problem
     T = p.tokens if tokens is None else tokens
     for name, t, heads in (("q", q, p.heads), ("k", k, p.kv_heads), ("v", v, p.kv_heads)):
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{where}{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise ShapeError(f"{where}{name} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dim() != 3 or tuple(t.shape) != (T, heads, p.head_dim):
             raise ShapeError(f"{where}{name} must have shape [tokens={T}, heads={heads}, head_dim={p.head_dim}], "
                              f"got {list(t.shape)}")
@@ -89,6 +105,14 @@ def check_inputs(plan_ir, q, k, v, tokens: int | None = None, where: str = "") -
         raise ShapeError(f"{where}q, k, v must be on one device")
     if q.device.type != "cpu":
         raise ShapeError(f"{where}q, k, v are on {q.device}; the runtime's kernels run on CPU tensors")
+
+
+def resolve_scale(softmax_scale, head_dim: int) -> float:
+    """The softmax scale: ``softmax_scale`` if given (a finite number > 0,
+    else :class:`ShapeError`), else 1/sqrt(head_dim)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return check_scale(softmax_scale)
 
 
 def _run_all(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None) -> None:
@@ -108,6 +132,7 @@ def run_forward(plan_ir, q, k, v, scale: float, timings: Timings | None = None):
     out = torch.zeros(T, Hq, D, dtype=acc)
     lse = torch.full((T, Hq), NEG_INF, dtype=acc)
     _run_all(plan_ir, FWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale, q.dtype, timings)
+    settle_rows_without_mass(out, lse, np.arange(T), plan_ir.problem.pieces.a)
     return out, lse
 
 
@@ -141,6 +166,10 @@ class PlanAttention(torch.autograd.Function):
 
 
 def execute(plan_ir, q, k, v, softmax_scale: float | None = None, timings: Timings | None = None):
+    """Attention of global ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` under
+    ``plan_ir`` (``plan.ir``), every device in this process; differentiable.
+    Any strides (made contiguous once here; gradients come back in the
+    caller's layout); bad inputs raise :class:`ShapeError`."""
     check_inputs(plan_ir, q, k, v)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return PlanAttention.apply(q, k, v, plan_ir, scale, timings)
+    scale = resolve_scale(softmax_scale, plan_ir.problem.head_dim)
+    return PlanAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan_ir, scale, timings)

@@ -18,20 +18,25 @@ POSITION_KINDS = ("sample", "global")
 
 
 def _device(ir, device) -> int:
-    if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or not 0 <= device < ir.devices:
+    """``device`` as an int of the plan ``ir`` (a PlanIR with a placement)."""
+    if getattr(ir, "placement", None) is None or getattr(ir, "graph", None) is None:
+        raise PlanError(f"token ownership needs a placed PlanIR (plan.ir), got {type(ir).__name__}")
+    if isinstance(device, (bool, np.bool_)) or not isinstance(device, (int, np.integer)) \
+            or not 0 <= device < ir.devices:
         raise PlanError(f"rank {device!r} does not exist; the plan has devices 0..{ir.devices - 1}")
     return int(device)
 
 
 def home_blocks(ir, device: int) -> np.ndarray:
     """The token blocks homed on ``device``, increasing."""
-    return np.flatnonzero(ir.placement.home == _device(ir, device)).astype(np.int64)
+    d = _device(ir, device)
+    return np.flatnonzero(ir.placement.home == d).astype(np.int64)
 
 
 def local_index(ir, device: int) -> np.ndarray:
     """Global token index of each local row of ``device`` (int64)."""
-    g = ir.graph
     tbs = home_blocks(ir, device)
+    g = ir.graph
     s, n = g.tb_start[tbs], g.tb_len[tbs]
     if not len(tbs):
         return np.zeros(0, np.int64)
@@ -40,14 +45,15 @@ def local_index(ir, device: int) -> np.ndarray:
 
 
 def local_tokens(ir, device: int) -> int:
-    return int(ir.graph.tb_len[home_blocks(ir, device)].sum())
+    tbs = home_blocks(ir, device)
+    return int(ir.graph.tb_len[tbs].sum())
 
 
 def local_row0(ir, device: int) -> np.ndarray:
     """``row0[tb]``: the local row where home token block ``tb`` starts (−1 if
     ``tb`` is not homed on ``device``)."""
-    g = ir.graph
     tbs = home_blocks(ir, device)
+    g = ir.graph
     row0 = np.full(g.n_tb, -1, np.int64)
     n = g.tb_len[tbs]
     row0[tbs] = np.cumsum(n) - n

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import PlanError
-from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BK, BROLE, BTB, BHG, FWD, HOME, KINDS,
-                          MERGE, OPS, PHASES, RECV, SEND, WAIT)
+from ..errors import PlanError, ShapeError
+from ..ir.program import (ADD, ARG_BUF, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BK, BROLE, BTB, BHG, FWD, HOME,
+                          ISA, KINDS, MERGE, OP, OPS, PHASES, RECV, SEND, WAIT)
 from . import kernels
 
 NEG_INF = float("-inf")
@@ -144,7 +144,7 @@ def home_bindings(graph, program, phase: int, device: int, tensors: dict, row0) 
     t = tensors
     g = graph.problem.group
     hs, he = graph.hg_start.tolist(), graph.hg_end.tolist()
-    st = {}
+    st: dict[int, tuple] = {}
     for b, (kind, tb, hg, role) in enumerate(program.buffers[phase][device][:, [BK, BTB, BHG, BROLE]].tolist()):
         if role != HOME:
             continue
@@ -169,15 +169,47 @@ def home_bindings(graph, program, phase: int, device: int, tensors: dict, row0) 
 def _last_use(code: np.ndarray, nbuf: int) -> np.ndarray:
     """Index of the last instruction that names each buffer (−1: none)."""
     last = np.full(nbuf, -1, np.int64)
-    for op in range(len(OPS)):
-        rows = np.flatnonzero(code[:, 0] == op)
-        if not len(rows):
-            continue
-        cols = {RECV: [3], SEND: [3], WAIT: [], ATTN: [2, 3, 4], MERGE: [1, 2], ATTN_BWD: [2, 3, 4, 5],
-                ADD: [1, 2]}[op]
-        for c in cols:
+    for spec in ISA:
+        rows = np.flatnonzero(code[:, OP] == spec.code)
+        for c in spec.cols(ARG_BUF) if len(rows) else ():
             np.maximum.at(last, code[rows, c], rows)
     return last
+
+
+def check_stream(code: np.ndarray, bufs: np.ndarray, phase: int, device: int) -> None:
+    """What the runner relies on, checked before it runs (a plan whose
+    verification was skipped, or a crafted one): known opcodes legal in
+    ``phase``, buffer operands inside the buffer table and of the kinds the
+    instruction set allows. :class:`PlanError` naming the first bad instruction."""
+    ops = code[:, OP]
+    where = f"{PHASES[phase]} device {device} instruction"
+    bad = np.flatnonzero((ops < 0) | (ops >= len(ISA)))
+    if len(bad):
+        raise PlanError(f"{where} {int(bad[0])}: unknown opcode {int(ops[bad[0]])}")
+    for spec in ISA:
+        rows = np.flatnonzero(ops == spec.code)
+        if len(rows) and phase not in spec.phases:
+            raise PlanError(f"{where} {int(rows[0])}: {spec.name} is not valid in {PHASES[phase]}")
+        operands = [j for j, arg in enumerate(spec.args) if arg == ARG_BUF]
+        for j, c in zip(operands, spec.cols(ARG_BUF)) if len(rows) else ():
+            b = code[rows, c]
+            inside = (b >= 0) & (b < len(bufs))
+            ok = inside.copy()
+            ok[inside] = np.isin(bufs[b[inside], BK], spec.kinds[j])
+            if not ok.all():
+                n = int(np.flatnonzero(~ok)[0])
+                what = (f"of kind {KINDS[int(bufs[b[n], BK])]}" if inside[n]
+                        else f"not in its buffer table of {len(bufs)}")
+                raise PlanError(f"{where} {int(rows[n])} ({spec.name}): operand {spec.operands[j]} names buffer "
+                                f"%{int(b[n])}, {what}; {spec.name} needs "
+                                f"{' or '.join(KINDS[k] for k in spec.kinds[j])}")
+
+
+def _same_shapes(dst: tuple, src: tuple, dst_name: str, src_name: str) -> None:
+    """Two buffers' tensors can be merged or added: same count and shapes (else :class:`ShapeError`)."""
+    if len(dst) != len(src) or any(a.shape != x.shape for a, x in zip(dst, src)):
+        raise ShapeError(f"{src_name} holds {[list(x.shape) for x in src]} but {dst_name} holds "
+                         f"{[list(a.shape) for a in dst]}")
 
 
 class DeviceRunner:
@@ -199,6 +231,7 @@ class DeviceRunner:
         self.transport, self.scale, self.dtype = transport, scale, dtype
         self.compute = compute
         self.timings = timings if timings is not None else Timings()
+        check_stream(code, self.bufs, phase, device)
         last = _last_use(code, len(self.bufs))
         self.free_after: dict[int, list[int]] = {}
         for b in np.flatnonzero(last >= 0).tolist():
@@ -207,7 +240,7 @@ class DeviceRunner:
         self.cq, self.ck = graph.cb_q, graph.cb_k
         self.tb_start = graph.tb_start
         self.pc = 0
-        self._t0 = None
+        self._t0: float | None = None
 
     # buffers -----------------------------------------------------------------
     def alloc(self, b: int, zero: bool = False):
@@ -251,7 +284,10 @@ class DeviceRunner:
             tm.bytes_sent += sum(x.numel() * x.element_size() for x in bufs)
             tm.post += time.perf_counter() - t0
         elif self.compute:
-            self._compute(i, op, row)
+            try:
+                self._compute(i, op, row)
+            except ShapeError as e:
+                raise ShapeError(f"{self._where(i)}: {e}") from None
             tm.kernel += time.perf_counter() - t0
         tm.instructions += 1
         for b in self.free_after.get(i, ()):
@@ -260,6 +296,32 @@ class DeviceRunner:
         self.pc = i + 1
         if self.pc == len(self.code):
             self.finish()
+
+    def _where(self, i: int) -> str:
+        op = self.code[i][0]
+        return f"{PHASES[self.phase]} device {self.device} instruction {i} ({OPS[op] if 0 <= op < len(OPS) else op})"
+
+    def _combine(self, i: int, op: int, dst: int, src: int) -> None:
+        """``merge``/``add`` buffer ``src`` into ``dst`` (a copy if ``dst`` holds nothing yet)."""
+        st = self.st
+        s = self._get(src, i)
+        if dst not in st:
+            st[dst] = tuple(x.clone() for x in s)
+            return
+        if op == MERGE:
+            _same_shapes(st[dst], s, f"buffer %{dst}", f"buffer %{src}")
+            kernels.merge_into(st[dst][0], st[dst][1], *s)
+        else:
+            self._add_into(dst, s)
+
+    def _add_into(self, b: int, tensors: tuple) -> None:
+        """Add ``tensors`` into buffer ``b``'s (which take them if ``b`` holds nothing yet)."""
+        if b not in self.st:
+            self.st[b] = tensors
+            return
+        _same_shapes(self.st[b], tensors, f"buffer %{b}", "the sum's operand")
+        for a, x in zip(self.st[b], tensors):
+            a.add_(x)
 
     def _compute(self, i: int, op: int, row) -> None:
         st = self.st
@@ -270,6 +332,7 @@ class DeviceRunner:
             o, lse = kernels.attn_fwd(q, k, v, int(self.tb_start[self.cq[c]]), int(self.tb_start[self.ck[c]]),
                                       self.g.tile_pieces(int(self.g.cb_tile[c])), self.scale)
             if ob in st:
+                _same_shapes(st[ob], (o, lse), f"buffer %{ob}", "the tile's output")
                 kernels.merge_into(st[ob][0], st[ob][1], o, lse)
             else:  # a partial accumulator, created by its first write
                 st[ob] = (o, lse)
@@ -280,25 +343,10 @@ class DeviceRunner:
             gq, gk, gv = kernels.attn_bwd(q, k, v, out, dout, lse, int(self.tb_start[self.cq[c]]),
                                           int(self.tb_start[self.ck[c]]),
                                           self.g.tile_pieces(int(self.g.cb_tile[c])), self.scale)
-            if dqb in st:
-                st[dqb][0].add_(gq)
-            else:
-                st[dqb] = (gq,)
-            if dkvb in st:
-                st[dkvb][0].add_(gk)
-                st[dkvb][1].add_(gv)
-            else:
-                st[dkvb] = (gk, gv)
+            self._add_into(dqb, (gq,))
+            self._add_into(dkvb, (gk, gv))
         elif op in (MERGE, ADD):
-            dst, src = row[1], row[2]
-            s = self._get(src, i)
-            if dst not in st:
-                st[dst] = tuple(x.clone() for x in s)
-            elif op == MERGE:
-                kernels.merge_into(st[dst][0], st[dst][1], *s)
-            else:
-                for a, x in zip(st[dst], s):
-                    a.add_(x)
+            self._combine(i, op, row[1], row[2])
         else:
             raise PlanError(f"{PHASES[self.phase]} device {self.device} instruction {i}: "
                             f"{OPS[op] if 0 <= op < len(OPS) else op} is not valid in {PHASES[self.phase]}")

@@ -1,5 +1,5 @@
 """Functions run on every rank of a local gloo group by tests/test_distributed.py
-(through ``attnplan.runtime.launch.run_local``); each returns plain data that
+(through ``attnplan.tools.launch.run_local``); each returns plain data that
 the test asserts on. Not a test module: pytest does not collect it."""
 
 import time

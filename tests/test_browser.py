@@ -240,9 +240,10 @@ def inspect_report(browser: Browser, url: str, screenshot: Path | None = None, w
 
 # -- tests ----------------------------------------------------------------------------------------
 
-pytestmark = pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
-                                reason=f"headless Chromium not found at {CHROMIUM} (Debian: apt-get install "
-                                       f"chromium; .ci/run installs it; ATTNPLAN_CHROMIUM overrides the path)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
+                                 reason=f"headless Chromium not found at {CHROMIUM} (Debian: apt-get install "
+                                        f"chromium; .ci/run installs it; ATTNPLAN_CHROMIUM overrides the path)")]
 
 PANELS = ("summary", "mask", "bars", "heatmap", "timeline", "explain")
 

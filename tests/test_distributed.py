@@ -12,7 +12,9 @@ import pytest
 import attnplan
 from attnplan.cli import main
 from attnplan.runtime import layout
-from attnplan.runtime.launch import run_local
+from attnplan.tools.launch import run_local
+
+pytestmark = pytest.mark.slow  # processes: the slow tier (make test runs it; -m 'not slow' skips)
 
 CASES = str(Path(__file__).with_name("_dist_cases.py"))
 
@@ -129,7 +131,7 @@ def test_faults_give_typed_errors_naming_peer_and_transfer():
 # ---------------------------------------------------------------- plan run --procs
 
 def test_launcher_reports_the_root_cause():
-    from attnplan.runtime.launch import _root_cause
+    from attnplan.tools.launch import _root_cause
     dead = "device 0 (rank 0): transfer t3 fwd KV[tb1,hg0] d1->d0: peer device 1 (rank 1) died or closed its connection"
     shape = "device 1: q must have shape [tokens=5, heads=2, head_dim=8], got [4, 2, 8]"
     assert _root_cause([(0, 2, dead, ""), (1, 2, shape, "")]) == shape

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from attnplan.errors import BatchError, MaskError
 from attnplan.frontend import (Batch, MaskProgram, load_batch, load_mask, lower_batch, parse_mask,
                                parse_seqlens, render)
+from attnplan.ir.limits import MAX_MASK_INT
 from attnplan.ir.mask import Pieces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,7 +236,7 @@ def test_precedence():
 
 
 def test_huge_numbers_do_not_overflow():
-    L, big = 17, 10 ** 30
+    L, big = 17, MAX_MASK_INT  # the largest literal the language accepts
     q, k = grid(L)
     for text, expected in ((f"block_causal({big})", d_full(L)), (f"chunked_causal({big})", d_causal(L)),
                            (f"sliding_window({big})", d_causal(L)), (f"streaming({big}, {big})", d_causal(L)),
@@ -466,8 +467,8 @@ def test_lower_batch_caches_and_is_fast(monkeypatch):
     lens[-1] += (1 << 20) - lens.sum() if lens.sum() < (1 << 20) else 0
     prog = parse_mask("causal")
     calls = []
-    real = MaskProgram.lower
-    monkeypatch.setattr(MaskProgram, "lower", lambda self, n, s=None: calls.append(n) or real(self, n, s))
+    real = MaskProgram._lower
+    monkeypatch.setattr(MaskProgram, "_lower", lambda self, n, s, budget: calls.append(n) or real(self, n, s, budget))
     t = time.perf_counter()
     pieces = lower_batch(prog, lens.tolist())
     elapsed = time.perf_counter() - t
@@ -535,7 +536,8 @@ def test_shared_batches_load_by_name():
     ('{"seqlens": [4, -1]}', "not a positive integer"),
     ('[1, 2]', "expected a JSON object"),
     ('{"seqlens": [4, 3], "segments": [null]}', "1 entries but there are 2 samples"),
-    ('{"seqlens": [4], "segments": [[["text", 1], ["image", 2]]]}', r"segments\[0\] sum to 3 but sample 0 has length 4"),
+    ('{"seqlens": [4], "segments": [[["text", 1], ["image", 2]]]}',
+     r"segments\[0\] sum to 3 but sample 0 has length 4"),
     ('{"seqlens": [4], "segments": [[["text", 4, 1]]]}', r"must be \[kind, length\]"),
     ('{"seqlens": [4], "segments": [[[3, 4]]]}', "kind must be a non-empty string"),
     ('{"seqlens": [4], "segments": [[["text", 0], ["image", 4]]]}', "not a positive integer"),

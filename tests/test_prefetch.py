@@ -6,6 +6,8 @@ import pytest
 
 import attnplan
 
+pytestmark = pytest.mark.slow  # processes: the slow tier (make test runs it; -m 'not slow' skips)
+
 KW = dict(mask="causal", devices=2, heads=2, kv_heads=1, head_dim=8, block_size=16)
 BATCHES = [[40, 9], {"name": "qa", "seqlens": [30, 30], "segments": [[["question", 10], ["answer", 20]], None]},
            [17], [5, 5, 5, 5]]

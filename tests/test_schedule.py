@@ -138,7 +138,7 @@ def test_profiles_and_calibrated_json(tmp_path):
 
 
 def test_compare_rows_and_errors():
-    from attnplan.backends.compare import compare
+    from attnplan.tools.compare import compare
     rows, plans = compare(["zigzag", "ulysses"] if "ulysses" in attnplan.strategies() else ["zigzag"],
                           seqlens=LONG_TAIL, devices=4, block_size=256, heads=4, kv_heads=2, head_dim=16)
     z = next(r for r in rows if r["strategy"] == "zigzag")

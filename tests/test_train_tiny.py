@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # processes: the slow tier (make test runs it; -m 'not slow' skips)
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
 
 

@@ -2,12 +2,13 @@
 ``auto``: compile the candidates, keep the plan with the lowest predicted time.
 
 Every number in a row comes from the plan's own ``stats()`` (the definitions
-of DESIGN.md); a strategy that cannot take the batch (e.g. ulysses with more
+of docs/DESIGN.md); a strategy that cannot take the batch (e.g. ulysses with more
 devices than kv heads) gets a row with its error instead of stopping the
 comparison."""
 
 from __future__ import annotations
 
+from ..api import compile as compile_plan
 from ..errors import AttnplanError, PlanError
 
 COLUMNS = ("strategy", "compute_imbalance", "token_imbalance", "comm_bytes_total", "comm_bytes_max", "predicted_s",
@@ -22,7 +23,6 @@ def row_of(name: str, plan) -> dict:
 
 def compare(strategies, progress=None, **compile_kwargs) -> tuple[list[dict], dict]:
     """Compile ``strategies`` on one batch. Returns (rows, plans by strategy)."""
-    from ..api import compile as compile_plan
     rows, plans = [], {}
     for name in strategies:
         try:

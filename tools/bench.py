@@ -12,6 +12,9 @@ import json
 import statistics
 from pathlib import Path
 
+from ..errors import BatchError, PlanError
+from ..frontend import load_batch
+from ..ir.limits import MAX_BATCH_FILE, MAX_DEVICES
 from .compare import compare
 
 # Deployed baselines on batches.jsonl, computed independently of attnplan (causal).
@@ -24,18 +27,46 @@ REFERENCES = [
 ]
 
 
+def _read_text(path: str) -> str:
+    p = Path(path)
+    try:
+        if not p.is_file():
+            raise BatchError(f"batch file not found: {path}")
+        if p.stat().st_size > MAX_BATCH_FILE:
+            raise BatchError(f"{path}: {p.stat().st_size:,} bytes, over the limit of {MAX_BATCH_FILE:,} for a "
+                             f"batch file")
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BatchError(f"{path}: cannot read batch file: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _line_name(path: str, lineno: int, line: str):
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError):
+        raise BatchError(f"{path}:{lineno}: not a JSON line") from None
+    if not isinstance(rec, dict):
+        raise BatchError(f"{path}:{lineno}: expected a JSON object with 'seqlens', got {type(rec).__name__}")
+    return rec.get("name")
+
+
 def load_batches(path: str, names: list[str] | None = None) -> list[dict]:
-    from ..frontend import load_batch
+    """Every batch of a JSONL file (or the one batch of a JSON file), or those named."""
+    if not str(path).endswith(".jsonl"):
+        b = load_batch(path)
+        return [{"name": getattr(b, "name", None) or Path(path).stem, "seqlens": list(b.seqlens),
+                 "segments": b.segments}]
     out = []
-    text = Path(path).read_text()
-    for line in text.splitlines():
+    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        name = json.loads(line).get("name")
+        name = _line_name(path, lineno, line)
         if names and name not in names:
             continue
         b = load_batch(f"{path}:{name}") if name else load_batch(path)
         out.append({"name": name or Path(path).stem, "seqlens": list(b.seqlens), "segments": b.segments})
+    if names and not out:
+        raise BatchError(f"{path}: no batch named {', '.join(names)}")
     return out
 
 
@@ -130,14 +161,39 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     return files
 
 
-def bench(batches_path: str, masks, devices, strategies, out_dir, names=None, **kw) -> dict:
+def _check_options(masks, devices, strategies) -> None:
+    if not masks or not all(isinstance(m, str) and m.strip() for m in masks):
+        raise PlanError(f"bench: give at least one mask, and no empty one (got {list(masks)!r})")
+    if not devices or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_DEVICES
+                              for n in devices):
+        raise PlanError(f"bench: device counts must be integers in 1..{MAX_DEVICES}, got {list(devices)!r}")
+    if not strategies:
+        raise PlanError("bench: give at least one strategy")
+
+
+def _out_dir(out_dir) -> Path:
+    """The output folder, created if missing (a file there is an error)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise PlanError(f"bench: --out {out} is a file; give a folder for bench.json, summary.txt and the plots")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlanError(f"bench: cannot create the folder {out}: {e.strerror or e}") from None
+    return out
+
+
+def bench(batches_path: str, masks, devices, strategies, out_dir, names=None, **kw) -> dict:
+    _check_options(masks, devices, strategies)
+    out = _out_dir(out_dir)
     batches = load_batches(batches_path, names)
     rows = run_bench(batches, masks, devices, strategies, **kw)
     summary = summarize(rows)
-    (out / "bench.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
     text = format_summary(summary)
-    (out / "summary.txt").write_text(text + "\n")
-    plots = plot(rows, out)
+    try:
+        (out / "bench.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        (out / "summary.txt").write_text(text + "\n")
+        plots = plot(rows, out)
+    except OSError as e:
+        raise PlanError(f"bench: cannot write into {out}: {e.strerror or e}") from None
     return {"rows": rows, "summary": summary, "text": text, "files": [out / "bench.json", out / "summary.txt", *plots]}

@@ -1,0 +1,393 @@
+"""The plan file's schema: a decoded body (plain maps, lists, numbers, strings
+and array records) checked field by field and built into a :class:`PlanIR`.
+
+Everything the verifier and the runtime rely on is checked here, before
+anything proportional to a declared size is built: sizes within the stated
+limits (:mod:`attnplan.ir.limits`), array ranks, lengths that agree with each
+other, ids in range, positive sample lengths (summed without overflow), head
+counts, the dtype, the opcodes each phase may hold and the operand ids of
+every instruction. Only then is the IR
+built and handed to the verifier. Every failure is a :class:`PlanFileError`
+naming the field (the caller adds the file name).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import BatchError, PlanFileError
+from ..ir import limits as L
+from ..ir.graph import BlockGraph
+from ..ir.mask import Pieces
+from ..ir.module import PlanIR
+from ..ir.placement import Placement
+from ..ir.problem import DTYPE_BYTES, Problem
+from ..ir.program import ADD, ATTN, ATTN_BWD, B_DKV, MERGE, OPS, PART, PHASES, RECV, SEND, WAIT, Program
+from ..ir.schedule import Schedule
+from ..ir.segments import check_segments
+from .cost import PROFILES
+
+BIG = 1 << 62  # bound on every stored integer: numpy arithmetic on checked values never overflows
+GRAPH_FIELDS = ("tb_start", "tb_end", "hg_start", "hg_end", "tile_q", "tile_k", "tile_ptr", "pieces",
+                "piece_src", "tile_pairs", "cb_tile", "cb_hg")
+BODY_KEYS = frozenset({"problem", "devices", "nodes", "memory_cap", "graph", "placement", "schedule", "program",
+                       "meta"})
+LEGACY_KEYS = frozenset({"measured"})  # written by older versions (compile wall time); ignored
+_ARRAY_DTYPES = {"<i4": 4, "<i8": 8}
+
+# what each instruction operand names: 0 unused (must be 0), 1 transfer tag, 2 device, 3 buffer, 4 compute block
+_Z, _TAG, _DEV, _BUF, _CB = range(5)
+_OPERAND_KINDS = np.zeros((len(OPS), 5), np.int64)
+for _op, _kinds in ((RECV, (_TAG, _DEV, _BUF)), (SEND, (_TAG, _DEV, _BUF)), (WAIT, (_TAG,)),
+                    (ATTN, (_CB, _BUF, _BUF, _BUF)), (MERGE, (_BUF, _BUF)), (ATTN_BWD, (_CB, _BUF, _BUF, _BUF, _BUF)),
+                    (ADD, (_BUF, _BUF))):
+    _OPERAND_KINDS[_op, :len(_kinds)] = _kinds
+_OPERAND_NAMES = ("unused", "transfer tag", "device", "buffer", "compute block")
+# the opcodes each phase may hold: the runner has no backward attn in the forward phase and no forward one after
+_PHASE_OPS = ((RECV, SEND, WAIT, ATTN, MERGE), (RECV, SEND, WAIT, ATTN_BWD, ADD))
+
+
+def fail(msg: str):
+    raise PlanFileError(msg)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _kind(v) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+# ------------------------------------------------------------------ scalar fields
+
+def field(d, key: str, where: str):
+    if not isinstance(d, dict):
+        fail(f"{where} must be a map, got {_kind(d)}")
+    if key not in d:
+        fail(f"missing {where}.{key}")
+    return d[key]
+
+
+def integer(d, key: str, where: str, lo: int, hi: int, limit: str = "") -> int:
+    v = field(d, key, where)
+    if not _is_int(v):
+        fail(f"{where}.{key} must be an integer, got {_kind(v)}")
+    if not lo <= v <= hi:
+        fail(f"{where}.{key} = {v} is outside [{lo}, {hi}]" + (f" (the limit {limit})" if limit else ""))
+    return v
+
+
+def string(d, key: str, where: str, limit: int = L.MAX_MASK_TEXT) -> str:
+    v = field(d, key, where)
+    if not isinstance(v, str):
+        fail(f"{where}.{key} must be a string, got {_kind(v)}")
+    if len(v) > limit:
+        fail(f"{where}.{key} has {len(v)} characters, more than {limit}")
+    return v
+
+
+# ------------------------------------------------------------------ arrays
+
+def array(d, key: str, where: str, cols: int | None = None, length: int | None = None,
+          max_len: int | None = None, limit: str = "") -> np.ndarray:
+    """An int64 array from an array record ``{dtype, shape, data}``: ``[n]``, or
+    ``[n, cols]``; its shape is checked before any data is decoded."""
+    return record(field(d, key, where), f"{where}.{key}", cols, length, max_len, limit)
+
+
+def record(rec, name: str, cols: int | None = None, length: int | None = None, max_len: int | None = None,
+           limit: str = "") -> np.ndarray:
+    """:func:`array` for the record ``rec`` named ``name``."""
+    if not isinstance(rec, dict) or set(rec) != {"dtype", "shape", "data"}:
+        fail(f"{name} is not an array record")
+    dt, shape, data = rec["dtype"], rec["shape"], rec["data"]
+    if not isinstance(dt, str) or dt not in _ARRAY_DTYPES:
+        fail(f"{name}: dtype must be one of {sorted(_ARRAY_DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        fail(f"{name}: shape must be a list of non-negative integers")
+    want = [None] if cols is None else [None, cols]
+    if len(shape) != len(want) or (cols is not None and shape[1] != cols):
+        fail(f"{name} has shape {shape}, expected " + ("[n]" if cols is None else f"[n, {cols}]"))
+    if length is not None and shape[0] != length:
+        fail(f"{name} has {shape[0]} rows, expected {length}")
+    if max_len is not None and shape[0] > max_len:
+        fail(f"{name} has {shape[0]} rows, more than {max_len}" + (f" ({limit})" if limit else ""))
+    if not isinstance(data, bytes) or len(data) != math.prod(shape) * _ARRAY_DTYPES[dt]:
+        fail(f"{name}: data has {len(data) if isinstance(data, bytes) else _kind(data)} bytes for shape {shape}")
+    return np.frombuffer(data, dtype=dt).reshape(shape).astype(np.int64)
+
+
+def in_range(a: np.ndarray, lo: int, hi: int, name: str) -> None:
+    """Every entry of ``a`` (1-D) in ``[lo, hi]``."""
+    if a.size and (int(a.min()) < lo or int(a.max()) > hi):
+        i = int(np.flatnonzero((a < lo) | (a > hi))[0])
+        fail(f"{name}[{i}] = {int(a[i])} is outside [{lo}, {hi}]")
+
+
+def columns_in_range(a: np.ndarray, bounds: dict, name: str) -> None:
+    """``bounds``: column index -> (column name, lo, hi)."""
+    for c, (cname, lo, hi) in bounds.items():
+        in_range(a[:, c], lo, hi, f"{name}[:, {cname}]")
+
+
+def _pieces_in_range(a: np.ndarray, T: int, name: str) -> None:
+    """Token columns in [0, T]; band columns in [-T, T] (a tightened piece's are)."""
+    columns_in_range(a, {0: ("q0", 0, T), 1: ("q1", 0, T), 2: ("k0", 0, T), 3: ("k1", 0, T),
+                         4: ("lo", -T, T), 5: ("hi", -T, T)}, name)
+
+
+# ------------------------------------------------------------------ levels
+
+def _seqlens(pb) -> np.ndarray:
+    lens = array(pb, "seqlens", "problem", max_len=L.MAX_SAMPLES, limit="MAX_SAMPLES")
+    if not len(lens):
+        fail("problem.seqlens is empty")
+    in_range(lens, 1, L.MAX_TOKENS, "problem.seqlens")
+    total = int(lens.sum())  # at most MAX_SAMPLES * MAX_TOKENS = 2^46: exact in int64
+    if total > L.MAX_TOKENS:
+        fail(f"problem.seqlens sum to {total} tokens, more than MAX_TOKENS = {L.MAX_TOKENS}")
+    return lens
+
+
+def _segments(pb, lens: np.ndarray):
+    segs = pb.get("segments")
+    if segs is None:
+        return None
+    try:
+        return check_segments(segs, lens.tolist(), "problem.")
+    except BatchError as e:
+        fail(str(e))
+
+
+def problem(pb) -> Problem:
+    lens = _seqlens(pb)
+    heads = integer(pb, "heads", "problem", 1, L.MAX_HEADS, "MAX_HEADS")
+    kv_heads = integer(pb, "kv_heads", "problem", 1, L.MAX_HEADS, "MAX_HEADS")
+    if heads % kv_heads:
+        fail(f"problem.heads ({heads}) is not a multiple of problem.kv_heads ({kv_heads})")
+    head_dim = integer(pb, "head_dim", "problem", 1, L.MAX_HEAD_DIM, "MAX_HEAD_DIM")
+    dtype = string(pb, "dtype", "problem", 32)
+    if dtype not in DTYPE_BYTES:
+        fail(f"problem.dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    pieces = array(pb, "pieces", "problem", cols=6, max_len=L.MAX_MASK_PIECES, limit="MAX_MASK_PIECES")
+    _pieces_in_range(pieces, int(lens.sum()), "problem.pieces")
+    return Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=Pieces(pieces),
+                   mask=string(pb, "mask", "problem"), segments=_segments(pb, lens), dtype=dtype)
+
+
+def _graph_blocks(gb, p: Problem) -> dict:
+    """Token blocks and head groups."""
+    T = p.tokens
+    a = {"tb_start": array(gb, "tb_start", "graph", max_len=T)}
+    a["tb_end"] = array(gb, "tb_end", "graph", length=len(a["tb_start"]))
+    a["hg_start"] = array(gb, "hg_start", "graph", max_len=p.kv_heads)
+    a["hg_end"] = array(gb, "hg_end", "graph", length=len(a["hg_start"]))
+    if not len(a["tb_start"]) or not len(a["hg_start"]):
+        fail("graph has no token blocks or no head groups")
+    for f, hi in (("tb_start", T), ("tb_end", T), ("hg_start", p.kv_heads), ("hg_end", p.kv_heads)):
+        in_range(a[f], 0, hi, f"graph.{f}")
+    return a
+
+
+def _graph_tiles(gb, p: Problem, n_tb: int, n_hg: int) -> dict:
+    """Tiles, their pieces and the compute blocks."""
+    T = p.tokens
+    a = {"tile_q": array(gb, "tile_q", "graph")}
+    n = len(a["tile_q"])
+    a["tile_k"] = array(gb, "tile_k", "graph", length=n)
+    a["tile_pairs"] = array(gb, "tile_pairs", "graph", length=n)
+    a["tile_ptr"] = array(gb, "tile_ptr", "graph", length=n + 1)
+    a["pieces"] = array(gb, "pieces", "graph", cols=6)
+    a["piece_src"] = array(gb, "piece_src", "graph", length=len(a["pieces"]))
+    # every (tile, head group) is one compute block (invariant 2): the verifier's count table has this size
+    a["cb_tile"] = array(gb, "cb_tile", "graph", length=n * n_hg)
+    a["cb_hg"] = array(gb, "cb_hg", "graph", length=n * n_hg)
+    for f, lo, hi in (("tile_q", 0, n_tb - 1), ("tile_k", 0, n_tb - 1), ("tile_pairs", 0, T * T),
+                      ("tile_ptr", 0, len(a["pieces"])), ("piece_src", 0, len(p.pieces) - 1),
+                      ("cb_tile", 0, n - 1), ("cb_hg", 0, n_hg - 1)):
+        in_range(a[f], lo, hi, f"graph.{f}")
+    _pieces_in_range(a["pieces"], T, "graph.pieces")
+    return a
+
+
+def graph(gb, p: Problem) -> BlockGraph:
+    blocks = _graph_blocks(gb, p)
+    tiles = _graph_tiles(gb, p, len(blocks["tb_start"]), len(blocks["hg_start"]))
+    return BlockGraph(problem=p, **blocks, **tiles)
+
+
+def devices_nodes(body) -> tuple[int, int]:
+    devices = integer(body, "devices", "body", 1, L.MAX_DEVICES, "MAX_DEVICES")
+    nodes = integer(body, "nodes", "body", 1, devices)
+    if devices % nodes:
+        fail(f"body.devices ({devices}) is not a multiple of body.nodes ({nodes})")
+    return devices, nodes
+
+
+def placement(plb, g: BlockGraph, devices: int, nodes: int) -> Placement:
+    home = array(plb, "home", "placement", length=g.n_tb)
+    cb_device = array(plb, "cb_device", "placement", length=g.n_cb)
+    in_range(home, 0, devices - 1, "placement.home")
+    in_range(cb_device, 0, devices - 1, "placement.cb_device")
+    return Placement(devices, nodes, home, cb_device)
+
+
+def schedule(sb, g: BlockGraph, devices: int) -> Schedule:
+    stages = integer(sb, "stages", "schedule", 1, BIG)
+    cb_stage = array(sb, "cb_stage", "schedule", length=g.n_cb)
+    in_range(cb_stage, 0, stages - 1, "schedule.cb_stage")
+    xfer = array(sb, "xfer", "schedule", cols=6)
+    columns_in_range(xfer, {0: ("kind", 0, 2), 1: ("tb", 0, g.n_tb - 1), 2: ("hg", 0, g.n_hg - 1),
+                            3: ("src", 0, devices - 1), 4: ("dst", 0, devices - 1),
+                            5: ("stage", 0, stages - 1)}, "schedule.xfer")
+    overlap = field(sb, "overlap", "schedule")
+    if not isinstance(overlap, bool):
+        fail(f"schedule.overlap must be a boolean, got {_kind(overlap)}")
+    return Schedule(stages, cb_stage, xfer, overlap)
+
+
+def _per_device(pr, key: str, devices: int) -> list:
+    v = field(pr, key, "program")
+    if not isinstance(v, list) or len(v) != 2 or any(not isinstance(ph, list) or len(ph) != devices for ph in v):
+        fail(f"program.{key} must have 2 phases x {devices} devices")
+    return v
+
+
+def _buffers(recs: list, g: BlockGraph, devices: int) -> tuple:
+    out = []
+    for ph, phase in enumerate(recs):
+        row = []
+        for d, rec in enumerate(phase):
+            name = f"program.buffers[{ph}][{d}]"
+            b = record(rec, name, cols=6)
+            columns_in_range(b, {0: ("kind", 0, B_DKV), 1: ("tb", 0, g.n_tb - 1), 2: ("hg", 0, g.n_hg - 1),
+                                 3: ("role", 0, PART), 4: ("peer", -1, devices - 1), 5: ("bytes", 0, BIG)}, name)
+            row.append(b)
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def _check_operands(c: np.ndarray, hi_of_kind: np.ndarray, name: str) -> None:
+    """Every operand names an existing transfer, device, buffer or compute block; unused ones are 0."""
+    kinds = _OPERAND_KINDS[c[:, 0]]  # [n, 5]
+    hi = hi_of_kind[kinds]  # the unused kind's bound is 0: operands beyond the arity must be 0
+    bad = (c[:, 1:] < 0) | (c[:, 1:] > hi)
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        fail(f"{name} instruction {i} ({OPS[c[i, 0]]}): operand {j + 1} = {int(c[i, j + 1])} names no "
+             f"{_OPERAND_NAMES[kinds[i, j]]} (allowed 0..{int(hi[i, j])})")
+
+
+def _code(recs: list, buffers: tuple, g: BlockGraph, devices: int, n_transfers: int) -> tuple:
+    total = 0
+    out = []
+    for ph, phase in enumerate(recs):
+        row = []
+        for d, rec in enumerate(phase):
+            name = f"program.code[{ph}][{d}]"
+            c = record(rec, name, cols=6, max_len=L.MAX_INSTRUCTIONS - total, limit="MAX_INSTRUCTIONS")
+            total += len(c)
+            in_range(c[:, 0], 0, len(OPS) - 1, f"{name}[:, op]")
+            wrong = np.flatnonzero(~np.isin(c[:, 0], _PHASE_OPS[ph]))
+            if len(wrong):
+                i = int(wrong[0])
+                fail(f"{name} instruction {i}: {OPS[c[i, 0]]} is not a {PHASES[ph]} instruction")
+            hi = np.array([0, n_transfers - 1, devices - 1, len(buffers[ph][d]) - 1, g.n_cb - 1], np.int64)
+            _check_operands(c, hi, name)
+            row.append(c)
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def program(pr, g: BlockGraph, devices: int) -> Program:
+    transfers = array(pr, "transfers", "program", cols=8)
+    columns_in_range(transfers, {0: ("tag", 0, len(transfers) - 1), 1: ("phase", 0, 1), 2: ("kind", 0, B_DKV),
+                                 3: ("tb", 0, g.n_tb - 1), 4: ("hg", 0, g.n_hg - 1), 5: ("src", 0, devices - 1),
+                                 6: ("dst", 0, devices - 1), 7: ("bytes", 0, BIG)}, "program.transfers")
+    bufs = _per_device(pr, "buffers", devices)
+    code = _per_device(pr, "code", devices)
+    buffers = _buffers(bufs, g, devices)
+    return Program(devices, transfers, buffers, _code(code, buffers, g, devices, len(transfers)))
+
+
+def memory_cap(body) -> int | None:
+    v = body.get("memory_cap")
+    if v is not None and (not _is_int(v) or not 1 <= v <= L.MAX_MEMORY_CAP):
+        fail(f"body.memory_cap must be null or a positive integer up to MAX_MEMORY_CAP = {L.MAX_MEMORY_CAP}, "
+             f"got {v if _is_int(v) else _kind(v)}")
+    return v
+
+
+def from_body(body) -> PlanIR:
+    """The IR of a decoded plan body; every field checked (see the module doc)."""
+    if not isinstance(body, dict):
+        fail(f"the body must be a map, got {_kind(body)}")
+    unknown = sorted(str(k) for k in body if k not in BODY_KEYS | LEGACY_KEYS)
+    if unknown:
+        fail(f"unknown body keys {unknown[:5]}")
+    p = problem(field(body, "problem", "body"))
+    devices, nodes = devices_nodes(body)
+    g = graph(field(body, "graph", "body"), p)
+    pl = placement(field(body, "placement", "body"), g, devices, nodes)
+    s = schedule(field(body, "schedule", "body"), g, devices)
+    prog = program(field(body, "program", "body"), g, devices)
+    return PlanIR(problem=p, devices=devices, nodes=nodes, memory_cap=memory_cap(body), graph=g, placement=pl,
+                  schedule=s, program=prog)
+
+
+# ------------------------------------------------------------------ meta
+
+def _meta_string(v, name: str) -> None:
+    if not isinstance(v, str) or len(v) > L.MAX_MASK_TEXT:
+        fail(f"{name} must be a string of at most {L.MAX_MASK_TEXT} characters, got {_kind(v)}")
+
+
+def _meta_number(v, name: str) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        fail(f"{name} must be a finite number, got {v!r}" if isinstance(v, float) else
+             f"{name} must be a finite number, got {_kind(v)}")
+
+
+def _meta_profile(v, name: str) -> None:
+    # a plan file never names a file to open: a profile FILE.json can only come from the command line
+    if not isinstance(v, str) or v not in PROFILES:
+        shown = repr(v[:80]) if isinstance(v, str) else _kind(v)
+        fail(f"{name} must be a builtin cost profile ({', '.join(sorted(PROFILES))}), got {shown}")
+
+
+def _meta_block_size(v, name: str) -> None:
+    if not _is_int(v) or not 1 <= v <= L.MAX_BLOCK_SIZE:
+        fail(f"{name} must be an integer in [1, {L.MAX_BLOCK_SIZE}]")
+
+
+def _meta_candidates(v, name: str) -> None:
+    if not isinstance(v, dict) or len(v) > 1024:
+        fail(f"{name} must be a map of strategy name to predicted seconds")
+    for k, x in v.items():
+        _meta_string(k, f"{name} key")
+        _meta_number(x, f"{name}.{k}")
+
+
+def _meta_scalar(v, name: str) -> None:
+    """Keys this version does not use: a string, a finite number, a boolean or null."""
+    if v is None or isinstance(v, bool):
+        return
+    (_meta_string if isinstance(v, str) else _meta_number)(v, name)
+
+
+_META = {"pipeline": _meta_string, "strategy": _meta_string, "profile": _meta_profile,
+         "block_size": _meta_block_size, "candidates": _meta_candidates}
+
+
+def check_meta(meta) -> dict:
+    """``meta`` is used as it is by ``Plan.stats`` and the report: check every key's type."""
+    if not isinstance(meta, dict):
+        fail(f"meta must be a map, got {_kind(meta)}")
+    for key, v in meta.items():
+        if not isinstance(key, str):
+            fail("meta keys must be strings")
+        _META.get(key, _meta_scalar)(v, f"meta.{key}")
+    return meta

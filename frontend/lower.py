@@ -1,0 +1,137 @@
+"""Lowering a mask over a whole batch: every sample's pieces, shifted to the
+sample's offset in the packed token axis.
+
+Samples with the same (length, segments) share one lowering: the mask is
+evaluated once per distinct sample (segments only count when the mask uses
+them) and the packed result is gathered with numpy, so 100,000 one-token
+documents cost one evaluation and a few array operations. Sizes are checked
+before anything proportional to them is built: samples against
+``MAX_SAMPLES``, tokens against ``MAX_TOKENS``, pieces against
+``MAX_MASK_PIECES`` (naming the sample where the total passes it), and all
+evaluations of one batch share one work budget (``MAX_MASK_WORK``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnplan.errors import BatchError, MaskError
+from attnplan.ir.limits import MAX_MASK_PIECES, MAX_SAMPLES, MAX_TOKENS
+from attnplan.ir.mask import Pieces
+from attnplan.ir.segments import check_segments
+
+from .batch import Batch
+from .setops import Budget
+
+__all__ = ["batch_lengths", "lower_batch"]
+
+
+def _first_bad(values, ok) -> int:
+    return next(i for i, v in enumerate(values) if not ok(v))
+
+
+def _is_length(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and bool(1 <= v <= MAX_TOKENS)
+
+
+def batch_lengths(seqlens) -> np.ndarray:
+    """``seqlens`` checked and as an int64 array (BatchError naming the first bad entry)."""
+    try:
+        n = len(seqlens)
+    except TypeError:
+        raise BatchError(f"seqlens must be a sequence of positive integers, got {type(seqlens).__name__}") from None
+    if n > MAX_SAMPLES:
+        raise BatchError(f"{n:,} samples; a batch has at most MAX_SAMPLES = {MAX_SAMPLES:,} (ir/limits.py)")
+    arr = np.asarray(seqlens) if isinstance(seqlens, np.ndarray) else None
+    if arr is None or arr.dtype.kind not in "iu" or arr.ndim != 1:
+        values = list(seqlens)
+        if not all(map(_is_length, values)):
+            i = _first_bad(values, _is_length)
+            raise BatchError(f"sample {i}: length {values[i]!r} is not a positive integer "
+                             f"(at most MAX_TOKENS = {MAX_TOKENS:,})")
+        arr = np.array(values, dtype=np.int64)
+    elif n and (arr.min() < 1 or arr.max() > MAX_TOKENS):
+        i = int(np.flatnonzero((arr < 1) | (arr > MAX_TOKENS))[0])
+        raise BatchError(f"sample {i}: length {int(arr[i])} is not a positive integer "
+                         f"(at most MAX_TOKENS = {MAX_TOKENS:,})")
+    arr = arr.astype(np.int64)
+    total = int(arr.sum())
+    if total > MAX_TOKENS:
+        raise BatchError(f"the batch has {total:,} tokens; at most MAX_TOKENS = {MAX_TOKENS:,} (ir/limits.py)")
+    return arr
+
+
+def batch_args(seqlens, segments):
+    """(lengths array, checked segments or None) from a :class:`Batch` or a sequence (and segments)."""
+    if isinstance(seqlens, Batch):
+        seqlens, segments = seqlens.seqlens, seqlens.segments if segments is None else segments
+    lens = batch_lengths(seqlens)
+    if segments is not None:
+        segments = check_segments(segments, lens.tolist(), "")
+    return lens, segments
+
+
+def _distinct(mask, lens: np.ndarray, segments):
+    """(keys, first, inverse): distinct (length, segments) keys in order of first
+    use, the sample where each is first used, and each sample's key index."""
+    if segments is None or not mask.uses_segments:
+        uniq, where, which = np.unique(lens, return_index=True, return_inverse=True)
+        order = np.argsort(where, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        return [(int(uniq[j]), None) for j in order], where[order], rank[which.reshape(-1)]
+    index: dict = {}
+    first: list[int] = []
+    inverse = np.empty(len(lens), dtype=np.int64)
+    for i, key in enumerate(zip(lens.tolist(), segments)):
+        j = index.setdefault(key, len(index))
+        if j == len(first):
+            first.append(i)
+        inverse[i] = j
+    return list(index), np.array(first, dtype=np.int64), inverse
+
+
+def _lower_distinct(mask, keys, first) -> list[np.ndarray]:
+    budget = Budget()
+    out = []
+    for (n, seg), i in zip(keys, first.tolist()):
+        try:
+            out.append(mask._lower(n, seg, budget).a)
+        except MaskError as e:
+            raise MaskError(f"{e.message} (sample {i})", e.filename, e.line, e.col, e.text) from None
+    return out
+
+
+def _check_total(per_sample: np.ndarray, lens: np.ndarray, filename: str) -> int:
+    cum = np.cumsum(per_sample)
+    total = int(cum[-1])
+    if total > MAX_MASK_PIECES:
+        i = int(np.searchsorted(cum, MAX_MASK_PIECES, side="right"))
+        raise MaskError(f"the batch's mask has {total:,} pieces, more than MAX_MASK_PIECES = {MAX_MASK_PIECES:,} "
+                        f"(ir/limits.py); the total passes it at sample {i} (length {int(lens[i])}, "
+                        f"{int(per_sample[i]):,} pieces)", filename)
+    return total
+
+
+def lower_batch(mask, seqlens, segments=None) -> Pieces:
+    """The whole packed mask: sample ``i`` lowered and shifted to its offset.
+
+    ``seqlens`` is a sequence of positive lengths (or a :class:`Batch`, whose
+    segments are used); ``segments`` is None or one entry per sample (None or
+    ``((kind, length), ...)``). Lowering is shared by samples with the same
+    (length, segments) — segments only count when the mask uses them."""
+    lens, segments = batch_args(seqlens, segments)
+    if not len(lens):
+        return Pieces.empty()
+    keys, first, inverse = _distinct(mask, lens, segments)
+    arrays = _lower_distinct(mask, keys, first)
+    counts = np.array([len(a) for a in arrays], dtype=np.int64)
+    per_sample = counts[inverse]
+    total = _check_total(per_sample, lens, mask.filename)
+    starts = np.cumsum(counts) - counts
+    sample_of_row = np.repeat(np.arange(len(lens)), per_sample)
+    within = np.arange(total) - np.repeat(np.cumsum(per_sample) - per_sample, per_sample)
+    out = np.concatenate(arrays)[starts[inverse][sample_of_row] + within]
+    offsets = np.cumsum(lens) - lens
+    out[:, :4] += offsets[sample_of_row][:, None]
+    return Pieces(out)

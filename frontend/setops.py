@@ -1,0 +1,104 @@
+"""Mask set operations with a work budget, so that no mask can make lowering
+spend unbounded time or memory.
+
+The piece algebra of :mod:`attnplan.ir.mask` subtracts one piece at a time
+(a union or complement of ``n`` and ``m`` pieces does about ``n * m`` row
+operations) and intersects by testing every pair of bounding boxes. Here
+each operation is charged to a :class:`Budget` *before* it runs, in work
+units of about one numpy row operation; past ``MAX_MASK_WORK`` units, or
+``MAX_MASK_PIECES`` pieces in a result, the operation raises
+:class:`LimitExceeded` and the evaluator reports it at the operator.
+Intersections run in chunks, so even one whose result is too large stops
+after building at most ``MAX_MASK_PIECES`` pieces.
+"""
+
+from __future__ import annotations
+
+from attnplan.ir.limits import MAX_MASK_PIECES, MAX_MASK_WORK
+from attnplan.ir.mask import Pieces
+
+__all__ = ["Budget", "LimitExceeded", "NODE_COST", "OP_COST", "build_cost", "union", "intersect", "complement",
+           "check_pieces"]
+
+# Work units are about one numpy row operation (10-20 ns here); a numpy call's
+# fixed overhead is about 100 units.
+NODE_COST = 300        # evaluating one expression node (a few microseconds of Python)
+OP_COST = 3000         # fixed cost of one piece operation (a few dozen numpy calls)
+_ITER_COST = 4000      # Pieces.subtract: fixed cost per subtracted piece (one loop iteration)
+_ROW_PASSES = 16       # numpy passes over a row: per subtracted piece, per bounding-box test plus result
+_CHUNK = 1 << 20       # bounding-box tests per intersection chunk
+
+
+class LimitExceeded(Exception):
+    """A stated limit would be passed; the message says which and by what."""
+
+
+class Budget:
+    """Work spent so far by every evaluation sharing this budget (one parse, or one batch)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self):
+        self.work = 0
+
+    def charge(self, units: int, what: str) -> None:
+        self.work += units
+        if self.work > MAX_MASK_WORK:
+            raise LimitExceeded(f"evaluating the mask needs more than {MAX_MASK_WORK:,} work units "
+                                f"(ir/limits.py MAX_MASK_WORK; about one numpy row operation each), "
+                                f"the last being {what}; simplify the mask or use fewer distinct samples")
+
+
+def check_pieces(n: int, what: str) -> None:
+    if n > MAX_MASK_PIECES:
+        raise LimitExceeded(f"{what} has {n:,} pieces, more than MAX_MASK_PIECES = {MAX_MASK_PIECES:,} "
+                            f"(ir/limits.py)")
+
+
+def _subtract_cost(n: int, m: int) -> int:
+    """Work of ``a.subtract(b)`` for ``n`` pieces in ``a`` and ``m`` in ``b``: one loop
+    iteration per piece of ``b``, each over (about) the pieces left of ``a``."""
+    return OP_COST + m * (_ITER_COST + _ROW_PASSES * (n + m))
+
+
+def build_cost(pieces: int) -> int:
+    """Work of building ``pieces`` pieces directly (a builtin mask)."""
+    return OP_COST + _ROW_PASSES * pieces
+
+
+def union(a: Pieces, b: Pieces, budget: Budget) -> Pieces:
+    """``a | b``, subtracting the operand with fewer pieces from the other."""
+    if not len(a) or not len(b):
+        return b if not len(a) else a
+    small, big = (a, b) if len(a) <= len(b) else (b, a)
+    budget.charge(_subtract_cost(len(big), len(small)), f"a union of {len(a):,} and {len(b):,} pieces")
+    out = Pieces.concat([small, big.subtract(small)])
+    check_pieces(len(out), "the union")
+    return out
+
+
+def intersect(a: Pieces, b: Pieces, budget: Budget) -> Pieces:
+    """``a & b`` in chunks of ``a``, stopping once the result passes MAX_MASK_PIECES."""
+    if not len(a) or not len(b):
+        return Pieces.empty()
+    if len(a) < len(b):
+        a, b = b, a
+    what = f"an intersection of {len(a):,} and {len(b):,} pieces"
+    step = max(1, _CHUNK // len(b))
+    budget.charge(-(-len(a) // step) * OP_COST + _ROW_PASSES // 2 * len(a) * len(b), what)
+    parts, total = [], 0
+    for s in range(0, len(a), step):
+        part = Pieces(a.a[s:s + step]).intersect(b)
+        total += len(part)
+        check_pieces(total, "the intersection")
+        budget.charge(_ROW_PASSES * len(part), what)
+        parts.append(part)
+    return Pieces.concat(parts)
+
+
+def complement(a: Pieces, length: int, budget: Budget) -> Pieces:
+    """``!a`` within ``[0, length)^2``."""
+    budget.charge(_subtract_cost(1, len(a)), f"a complement of {len(a):,} pieces")
+    out = a.complement(length)
+    check_pieces(len(out), "the complement")
+    return out

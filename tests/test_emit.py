@@ -1,0 +1,105 @@
+"""The emit pass (passes/emit.py): lowering works on the IR alone, from a
+fresh registry; a schedule it cannot lower is a typed VerifyError naming the
+device and block or transfer (never an assert or a KeyError)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import attnplan
+from attnplan.ir.program import B_DQ, B_O, BWD, FWD, RECV, SEND, WAIT
+from attnplan.passes import BUILTIN, parse_pipeline, run_pipeline
+from attnplan.passes.emit import Emit, emit
+
+KW = dict(seqlens=[70, 33, 9], mask="causal", devices=3, heads=4, kv_heads=2, head_dim=8)
+
+
+def scheduled(pipeline: str = "tile{block=16},zigzag,comm{mode=p2p},divide{stages=2},overlap"):
+    """A verified IR up to its schedule (no program yet)."""
+    plan = attnplan.compile(**KW, pipeline=pipeline + ",emit")
+    return plan.ir.with_levels(schedule=plan.ir.schedule)
+
+
+def test_emit_is_a_builtin_pass_and_equals_the_pipelines_program():
+    assert BUILTIN["emit"] is Emit and [p.name for p in parse_pipeline("emit")] == ["emit"]
+    ir = scheduled()
+    plan = attnplan.compile(**KW, pipeline="tile{block=16},zigzag,comm{mode=p2p},divide{stages=2},overlap,emit")
+    got = emit(ir)
+    for phase in (FWD, BWD):
+        for d in range(ir.devices):
+            assert np.array_equal(got.code[phase][d], plan.ir.program.code[phase][d])
+            assert np.array_equal(got.buffers[phase][d], plan.ir.program.buffers[phase][d])
+
+
+@pytest.mark.parametrize("pipeline", ["tile{block=16},zigzag,comm{mode=ring},overlap",
+                                      "tile{block=8},minheap,comm{mode=p2p},divide{stages=3}"])
+def test_every_transfer_is_posted_and_waited_once_on_each_side(pipeline):
+    prog = emit(scheduled(pipeline))
+    for phase in (FWD, BWD):
+        t = prog.transfers[prog.transfers[:, 1] == phase]
+        for op, col in ((RECV, 6), (SEND, 5)):
+            posted = np.concatenate([c[c[:, 0] == op, 1] for c in prog.code[phase]])
+            assert sorted(posted.tolist()) == sorted(t[:, 0].tolist())
+            for d in range(prog.devices):  # posted on the right device
+                c = prog.code[phase][d]
+                assert set(c[c[:, 0] == op, 1].tolist()) == set(t[t[:, col] == d, 0].tolist())
+        waits = [c[c[:, 0] == WAIT, 1] for c in prog.code[phase]]
+        for d, w in enumerate(waits):  # each device waits each of its transfers exactly once
+            mine = t[(t[:, 5] == d) | (t[:, 6] == d), 0]
+            assert sorted(w.tolist()) == sorted(mine.tolist())
+
+
+def test_a_block_in_a_stage_that_does_not_exist_is_a_verify_error():
+    ir = scheduled()
+    s = ir.schedule
+    stage = s.cb_stage.copy()
+    cb = int(np.flatnonzero(ir.placement.cb_device == 1)[0])
+    stage[cb] = s.stages
+    bad = ir.with_levels(schedule=dataclasses.replace(s, cb_stage=stage))
+    with pytest.raises(attnplan.VerifyError, match=rf"emit: device 1: compute block c{cb} is in stage {s.stages}, "
+                                                   rf"outside 0\.\.{s.stages - 1}"):
+        Emit().apply(bad)
+
+
+def test_a_partial_without_a_transfer_home_is_a_verify_error():
+    ir = scheduled("tile{block=16},tile_pool,comm{mode=p2p}")  # tile_pool splits queries: partial outputs
+    x = ir.schedule.xfer
+    partial = np.flatnonzero(x[:, 0] == 2)  # X_O: partial outputs going home
+    assert len(partial), "the case must send partials"
+    bad = ir.with_levels(schedule=dataclasses.replace(ir.schedule, xfer=np.delete(x, partial[0], axis=0)))
+    with pytest.raises(attnplan.VerifyError, match=r"emit: device \d fwd: partial O\[tb\d+,hg\d\] is written there "
+                                                   r"but no transfer takes it home"):
+        Emit().apply(bad)
+
+
+def test_a_pipeline_without_the_verifier_still_gets_typed_errors():
+    ir = scheduled()
+    placement = ir.placement
+    dev = placement.cb_device.copy()
+    dev[0] = ir.devices + 5
+    bad = ir.with_levels(placement=dataclasses.replace(placement, cb_device=dev))
+    with pytest.raises(attnplan.VerifyError, match=rf"emit: compute block 0 has computing device {ir.devices + 5}"):
+        run_pipeline(bad, parse_pipeline("comm,emit"), verify_each=False)
+
+
+def test_program_kinds_follow_the_phase():
+    prog = emit(scheduled())
+    fwd_kinds = set(np.concatenate([b[:, 0] for b in prog.buffers[FWD]]).tolist())
+    bwd_kinds = set(np.concatenate([b[:, 0] for b in prog.buffers[BWD]]).tolist())
+    assert B_O in fwd_kinds and B_DQ not in fwd_kinds and B_DQ in bwd_kinds and B_O not in bwd_kinds
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_event_sort_equals_lexsort(wide):
+    """Events are ordered by packing their columns into int64 keys; columns
+    too wide to pack together fall back to a lexsort of several keys."""
+    from attnplan.passes.emit import _sort_rows
+    rng = np.random.default_rng(7)
+    cols = rng.integers(0, 4, (3000, 6))
+    if wide:
+        cols[:, 2] = rng.integers(0, 1 << 40, 3000)
+        cols[:, 4] = rng.integers(0, 1 << 40, 3000)
+    assert np.array_equal(_sort_rows(cols), np.lexsort(cols.T[::-1]))
