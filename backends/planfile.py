@@ -40,7 +40,7 @@ MAGIC = b"ATTNPLAN"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sHHQ32s")
 _CHUNK = 1 << 20  # inflate step while counting the body's size
-_ZLIB_LEVEL = 6
+_ZLIB_LEVEL = 1  # level 6 is 4.8x slower for <1% smaller files (130 MB body: 10.8 s vs 2.3 s, 16.46 vs 16.52 MB)
 
 # ------------------------------------------------------------------ writing
 

@@ -123,8 +123,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
     (tmp / "lin.mask").write_text(let_lin)
     (tmp / "ones.json").write_text(json.dumps({"seqlens": [1] * 100_000}))  # too long for one argv word
     (tmp / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
-    prof = {"strings.json": {"name": "x", "peak_flops": "fast"}, "zeros.json": {"name": "x", "peak_flops": 0},
-            "negative.json": {"name": "x", "peak_flops": -1e15}}
+    good = json.loads(subprocess.run([str(Path(sys.executable)), "-c", "import dataclasses, json; from attnplan.backends."
+                                      "cost import PROFILES; print(json.dumps(dataclasses.asdict(PROFILES['h100'])))"],
+                                     check=True, capture_output=True, text=True).stdout)
+    prof = {"strings.json": dict(good, peak_flops="fast"), "zeros.json": dict(good, intra_bw=0),
+            "negative.json": dict(good, launch_s=-2.0)}  # one bad value each in an otherwise complete profile
     for f, v in prof.items():
         (tmp / f).write_text(json.dumps(v))
     (tmp / "file").write_text("x")
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
             ok = rc is not None and not tb and mb <= MAX_RSS_MB and (
                 rc == 0 if want == "ok" else rc in (0, 2) if want == "any" else (rc == 2 and len(lines) >= 1))
             bad += not ok
-            msg = (lines[-1] if lines else "")[:70]
+            msg = (lines[0] if lines else "")[:70]
             print(f"{name:<48} {want:>5} {str(rc):>4} {s:7.2f} {mb:7.0f}  {'PASS' if ok else 'FAIL'} {msg}", flush=True)
             rows.append({"input": name, "want": want, "rc": rc, "seconds": round(s, 3), "max_rss_mb": round(mb),
                          "pass": ok, "stderr": err[-2000:]})
