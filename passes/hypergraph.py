@@ -18,7 +18,7 @@ are wanted — compute ≤ (1+eps)·mean per device and tokens ≤ (1+mem_eps)·
 — and they cannot be one weight: compute grows with the square of a
 document's length, tokens linearly, so a device balanced in one is not in the
 other. Compute is what the partitioner balances; tokens are repaired around
-it. Per level:
+it. Per level, on the level's clusters (below):
 
 1. partition with compute weights only (token vertices weigh 1, so they go
    wherever their users are, which is what minimizes traffic);
@@ -27,23 +27,50 @@ it. Per level:
    no byte changes) to the part with token room whose compute overflows
    least; then, if still needed, single token blocks (homes), fewest added
    bytes per token first;
-3. if anything moved, partition again with every token vertex *fixed* at its
-   repaired home, so compute follows the homes; keep whichever of the two
-   partitions moves fewer bytes;
-4. compute repair: while a part is over its compute cap, move the compute
-   block that adds the fewest bytes per unit of work to a part with room.
+3. compute repair: while a part is over its compute cap, move the compute
+   vertex that adds the fewest bytes per unit of work to a part with room
+   (a vertex that homes tokens — a whole short sample — only where they fit);
+4. if anything moved, warm start: one Mt-KaHyPar V-cycle from the repaired
+   partition with every home *fixed*, so compute follows the homes (then
+   step 3 again); keep whichever of the two moves fewer bytes.
 
-Measured on the shared varlen batches (8 devices, causal, mem_eps=0.25;
-mean bytes over ring zigzag's): home moves + step 3: 0.167 (worst 0.499);
-sample moves, no step 3: 0.167 (0.474); sample moves + step 3: 0.148 (0.457).
-Without a token cap (mem_eps=100) the worst, libra-128k-0, drops to 0.38 at
-token imbalance 4.3: the cap is what costs.
+Step 4 used to be a second partition from scratch with the homes fixed; the
+V-cycle skips initial partitioning and costs a fifth of it, and over the
+shared batches it finds as many bytes (either wins about as often).
 
 Repairs use the exact int64 pairs, tokens and bytes; Mt-KaHyPar gets them
-scaled to int32. Step 4 always reaches the cap when no compute block
-exceeds the slack (a block moved to the least-loaded part lands under the
+scaled to int32. Step 3 always reaches the cap when no compute vertex
+exceeds the slack (a vertex moved to the least-loaded part lands under the
 cap), which the granularity rule below provides; otherwise it still lowers
 the maximum. Token caps are best effort at token-block granularity.
+
+Clusters (:func:`~.hypergraph_build.coarsen`; planning 1,048,576 tokens on 64
+devices in seconds, issue 9): Mt-KaHyPar's time grows with its vertices and
+pins, not with the work, and the block graph of a long-tailed batch has most
+of its blocks in a few long documents, each tile far below the slack. A
+level with more than ``_SMALL`` vertices per part is partitioned on clusters:
+a short sample no net leaves, whose work fits ``coarsen × slack``, is one
+vertex (placing it whole costs no byte); in the other samples ``m × m``
+neighbouring tiles of one head group are one vertex, ``m`` the largest side
+that fits ``coarsen × slack``; token blocks stay single. A net spans the same
+parts on the clusters as on their blocks, so km1 on the clusters is exactly
+the plan's traffic of the expanded partition. Clusters are kept to at least
+``_MIN_CLUSTERS`` per part (the grain shrinks until there are). Where a
+cluster was too coarse for a repair (work above the cap left by a cluster
+heavier than the slack; a short sample's tokens that fit no part whole), the
+repair finishes on the single blocks after expansion. Mt-KaHyPar runs its
+DETERMINISTIC preset with a lower contraction limit and one initial
+partitioning run (:data:`~.hypergraph_build._FAST`).
+
+Measured (benchmarks/hypergraph_bench.py; this 2-core machine, load ≈ 4;
+before = the pass without clusters, with the full preset and a second
+partition in step 4): 1,048,576 tokens (lmsys-512k-0 + libra-512k-0) on 64
+devices, the whole compile with the verifier, 23.6 s → 1.0 s (32 devices:
+46 s → 0.8 s), 15.7 → 13.2 GB moved. Over the 28 shared batches at 8 and 32
+devices: bytes over ring zigzag's, causal, median 0.111 → 0.118, worst
+0.457 → 0.461; total bytes causal −2%, streaming(64,4096) −10%,
+shared_question(4,0.2) +1%; compute imbalance ≤ 1.05 on every batch × device
+count × builtin mask (504 plans).
 
 Hierarchical, as DCP: first across nodes (caps ``1+eps/4`` of a node's
 compute share and ``1+mem_eps/4`` of its tokens, less where blocks would not
@@ -72,7 +99,6 @@ and every tie broken by index.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,78 +107,21 @@ from ..errors import PlanError
 from ..ir.graph import BlockGraph, build_graph
 from ..ir.module import PlanIR
 from ..ir.placement import Placement
-from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from .base import Pass, register
+from .hypergraph_build import (_Hyper, build_hypergraph, closed_samples, coarsen, kahypar_partition,
+                               scaled_weights, side_bytes)
 
-# Mt-KaHyPar weights are int32: scale vertex weights to about this total and
-# net weights so that no km1 value can overflow.
-_VERTEX_TOTAL = 1 << 24
-_NET_TOTAL = 1 << 26
-
-_INIT = None
+__all__ = ["HypergraphPlacement", "build_hypergraph", "coarsen", "refine", "side_bytes", "solve_level"]
 
 
-def _initializer():
-    """Mt-KaHyPar's process-wide initializer (created once; 2 threads at most)."""
-    global _INIT
-    if _INIT is None:
-        import mtkahypar
-        _INIT = mtkahypar.initialize(max(1, min(2, os.cpu_count() or 1)), False)
-    return _INIT
+# --------------------------------------------------------------------------- levels
 
-
-# --------------------------------------------------------------------------- hypergraph
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Hyper:
-    """A hypergraph, columnar. Vertices ``0..n_cb-1`` are compute blocks,
-    ``n_cb..n_cb+n_tb-1`` token blocks. ``pin_net``/``pin_vtx`` list every pin
-    sorted by net; ``net_w`` are exact bytes; ``work``/``tokens`` the two
-    vertex weights (zero for the other kind); ``sample`` the sample of each
-    vertex (a compute block's is its Q block's)."""
-
-    n_cb: int
-    pin_net: np.ndarray
-    pin_vtx: np.ndarray
-    net_w: np.ndarray
-    work: np.ndarray
-    tokens: np.ndarray
-    sample: np.ndarray
-
-    @property
-    def n(self) -> int:
-        return len(self.work)
-
-
-def side_bytes(g: BlockGraph) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes one more device using a (tb, hg) data block costs under p2p
-    communication, forward + backward: (Q side, KV side), each ``[n_tb, n_hg]``."""
-    tb = np.repeat(np.arange(g.n_tb), g.n_hg)
-    hg = np.tile(np.arange(g.n_hg), g.n_tb)
-    q = np.sum([buffer_bytes(g, ph, k, tb, hg) for ph, k in ((FWD, B_Q), (FWD, B_O), (BWD, B_Q), (BWD, B_DQ))], 0)
-    kv = np.sum([buffer_bytes(g, ph, k, tb, hg) for ph, k in ((FWD, B_KV), (BWD, B_KV), (BWD, B_DKV))], 0)
-    return q.reshape(g.n_tb, g.n_hg), kv.reshape(g.n_tb, g.n_hg)
-
-
-def build_hypergraph(g: BlockGraph) -> _Hyper:
-    """The DCP hypergraph of ``g``: net ``(tb·n_hg + hg)·2 + side`` (side 0 = Q, 1 = KV)."""
-    n_cb, n_hg = g.n_cb, g.n_hg
-    qb, kb = side_bytes(g)
-    net_w = np.stack([qb.ravel(), kb.ravel()], 1).ravel().astype(np.int64)
-    n_net = len(net_w)
-    cb = np.arange(n_cb, dtype=np.int64)
-    qnet = (g.cb_q * n_hg + g.cb_hg) * 2
-    knet = (g.cb_k * n_hg + g.cb_hg) * 2 + 1
-    data_net = np.arange(n_net, dtype=np.int64)
-    data_vtx = n_cb + data_net // (2 * n_hg)
-    pin_net = np.concatenate([qnet, knet, data_net])
-    pin_vtx = np.concatenate([cb, cb, data_vtx])
-    order = np.lexsort((pin_vtx, pin_net))
-    work = np.concatenate([g.cb_pairs, np.zeros(g.n_tb, np.int64)]).astype(np.int64)
-    tokens = np.concatenate([np.zeros(n_cb, np.int64), g.tb_len]).astype(np.int64)
-    tb_sample = np.searchsorted(g.problem.offsets, g.tb_start, "right") - 1
-    sample = np.concatenate([tb_sample[g.cb_q], tb_sample]).astype(np.int64)
-    return _Hyper(n_cb, pin_net[order], pin_vtx[order], net_w, work, tokens, sample)
+# a level with at most _SMALL vertices per part is partitioned as it is
+# (Mt-KaHyPar takes well under 0.1 s there); a larger one is clustered, to no
+# fewer than _MIN_CLUSTERS compute clusters per part (Mt-KaHyPar needs some
+# choice per part to find cheap cuts)
+_SMALL = 128
+_MIN_CLUSTERS = 24
 
 
 class _Level:
@@ -179,18 +148,16 @@ class _Level:
         # so moving one whole (all on one part) changes no net's span
         _, self.sample = np.unique(h.sample[verts], return_inverse=True)
         ns = int(self.sample.max(initial=-1)) + 1
-        ps = self.sample[self.pin_vtx]
-        bound = np.flatnonzero(np.diff(np.concatenate([[-1], self.pin_net])))
-        pure = (np.minimum.reduceat(ps, bound) == np.maximum.reduceat(ps, bound)) if len(ps) else np.zeros(0, bool)
-        self.closed = np.bincount(ps, weights=~pure[self.pin_net], minlength=ns) == 0
+        self.closed = closed_samples(self.pin_net, self.sample[self.pin_vtx], ns)
         self.s_tokens = np.bincount(self.sample, weights=self.tokens, minlength=ns).astype(np.int64)
         self.s_work = np.bincount(self.sample, weights=self.work, minlength=ns).astype(np.int64)
 
     # objective ---------------------------------------------------------------
     def counts(self, part: np.ndarray) -> np.ndarray:
-        cnt = np.zeros((len(self.net_w), self.k), np.int64)
-        np.add.at(cnt, (self.pin_net, part[self.pin_vtx]), 1)
-        return cnt
+        """Pins of every net on every part, ``[n_net, k]``."""
+        k = self.k
+        flat = np.bincount(self.pin_net * k + part[self.pin_vtx], minlength=len(self.net_w) * k)
+        return flat.reshape(len(self.net_w), k).astype(np.int64)
 
     def cost(self, part: np.ndarray) -> int:
         """Σ net bytes × (parts it spans − 1): the p2p bytes of this level."""
@@ -198,41 +165,16 @@ class _Level:
         return int((self.net_w * np.maximum(lam - 1, 0)).sum())
 
     # Mt-KaHyPar --------------------------------------------------------------
-    def kahypar(self, eps: float, seed: int, fixed: np.ndarray | None) -> np.ndarray | None:
-        """Partition with Mt-KaHyPar (km1, DETERMINISTIC preset); None where the
-        hypergraph is too small or degenerate for it."""
-        n, k = len(self.verts), self.k
-        sizes = np.bincount(self.pin_net, minlength=len(self.net_w))
-        big = sizes >= 2
-        if int(self.is_cb.sum()) < 2 * k or not big.any():
+    def kahypar(self, eps: float, seed: int, fixed: np.ndarray | None,
+                start: np.ndarray | None = None) -> np.ndarray | None:
+        """Partition with Mt-KaHyPar (km1, deterministic), or improve ``start``
+        by one V-cycle; None where the hypergraph is too small or degenerate.
+        Mt-KaHyPar runs its DETERMINISTIC preset with less initial partitioning
+        (:data:`~.hypergraph_build._FAST`)."""
+        if int(self.is_cb.sum()) < 2 * self.k:
             return None
-        import mtkahypar
-        init = _initializer()
-        w = np.ones(n, np.int64)                              # token vertices weigh 1
-        tot = max(1, int(self.work.sum()))
-        w[self.is_cb] = np.maximum(1, (self.work[self.is_cb] * (_VERTEX_TOTAL / tot)).round()).astype(np.int64)
-        nw_all = np.maximum(1, (self.net_w * (_NET_TOTAL / max(1, int(self.net_w.sum())) / k)).round())
-        # the seed relabels vertices: the DETERMINISTIC preset ignores mtkahypar.set_seed
-        perm = np.random.default_rng(seed).permutation(n) if seed else np.arange(n)
-        inv = np.argsort(perm)
-        keep_pin = big[self.pin_net]
-        starts = np.flatnonzero(np.diff(np.concatenate([[-1], self.pin_net[keep_pin]])))
-        nets = [a.tolist() for a in np.split(inv[self.pin_vtx[keep_pin]], starts[1:])]
-        w = w[perm]
-        if fixed is not None:
-            fixed = fixed[perm]
-        ctx = init.context_from_preset(mtkahypar.PresetType.DETERMINISTIC)
-        ctx.set_partitioning_parameters(k, float(max(eps, 1e-3)), mtkahypar.Objective.KM1)
-        ctx.logging = False
-        hg = init.create_hypergraph(ctx, n, len(nets), nets, w.tolist(), nw_all[big].astype(np.int64).tolist())
-        if fixed is not None:
-            hg.add_fixed_vertices(fixed.tolist(), k)
-        part = np.asarray(hg.partition(ctx).get_partition(), np.int64)
-        if len(part) != n or (part < 0).any() or (part >= k).any():
-            return None
-        if fixed is not None and (part[fixed >= 0] != fixed[fixed >= 0]).any():
-            return None
-        return part[inv]
+        return kahypar_partition(self.pin_net, self.pin_vtx, self.net_w, scaled_weights(self.work, self.is_cb),
+                                 self.k, eps, seed, fixed, start, fast=True)
 
     def greedy(self) -> np.ndarray:
         """Largest compute block first onto the least-loaded part; each token
@@ -249,8 +191,9 @@ class _Level:
         dp = ~self.is_cb[self.pin_vtx]
         data[self.pin_net[dp]] = self.pin_vtx[dp]
         cp = ~dp & (data[self.pin_net] >= 0)
-        users = np.zeros((len(self.verts), self.k))
-        np.add.at(users, (data[self.pin_net[cp]], part[self.pin_vtx[cp]]), self.net_w[self.pin_net[cp]])
+        users = np.bincount(data[self.pin_net[cp]] * self.k + part[self.pin_vtx[cp]],
+                            weights=self.net_w[self.pin_net[cp]],
+                            minlength=len(self.verts) * self.k).reshape(len(self.verts), self.k)
         tok = np.zeros(self.k, np.int64)
         for v in np.flatnonzero(~self.is_cb).tolist():
             p = int(np.argmax(users[v])) if users[v].any() else int(np.argmin(tok))
@@ -259,17 +202,21 @@ class _Level:
         return part
 
     # repairs -------------------------------------------------------------------
-    def repair(self, part: np.ndarray, movable: np.ndarray, x: np.ndarray, cap: int) -> int:
+    def repair(self, part: np.ndarray, movable: np.ndarray, x: np.ndarray, cap: int,
+               token_cap: int | None = None) -> int:
         """Move ``movable`` vertices (weights ``x``, indexed by vertex) off parts
         above ``cap`` until none is, cheapest added bytes per unit of weight
         first; a move lands a part at most at ``cap``, or, where no such move
         exists, strictly below the source's load (so Σ load² falls and the loop
-        ends). Returns the number of moves; ``part`` is updated in place."""
+        ends). With ``token_cap``, a vertex that homes tokens (a whole sample's
+        cluster) only moves to a part whose tokens stay within it. Returns the
+        number of moves; ``part`` is updated in place."""
         k = self.k
         load = np.bincount(part[movable], weights=x[movable], minlength=k).astype(np.int64)
         if load.max(initial=0) <= cap:
             return 0
         cnt = self.counts(part)
+        tok = np.bincount(part, weights=self.tokens, minlength=k).astype(np.int64)
         moves = 0
         for _ in range(4 * len(movable) + 16):
             o = int(np.argmax(load - cap))
@@ -278,20 +225,27 @@ class _Level:
             cand = movable[part[movable] == o]
             if not len(cand):
                 break
-            lo, hi = self.vptr[cand], self.vptr[cand + 1]
-            owner = np.repeat(np.arange(len(cand)), hi - lo)
-            idx = np.arange(int((hi - lo).sum())) - np.repeat(np.cumsum(hi - lo) - (hi - lo), hi - lo) + lo[owner]
-            nets = self.vn[idx]
-            w = self.net_w[nets]
+            lo, deg = self.vptr[cand], self.vptr[cand + 1] - self.vptr[cand]
+            first = np.cumsum(deg) - deg
+            owner = np.repeat(np.arange(len(cand)), deg)
+            nets = self.vn[np.arange(int(deg.sum())) - np.repeat(first, deg) + lo[owner]]
+            w = self.net_w[nets].astype(np.float64)
             rem = np.bincount(owner, weights=w * (cnt[nets, o] == 1), minlength=len(cand))
+            # bytes a move to each part adds: Σ over the vertex's nets absent there
             add = np.zeros((len(cand), k))
-            np.add.at(add, owner, w[:, None] * (cnt[nets] == 0))
+            some = deg > 0
+            if some.any():
+                add[some] = np.add.reduceat((cnt[nets] == 0) * w[:, None], first[some], axis=0)
             xc = x[cand].astype(np.int64)
             delta = add - rem[:, None]
-            ok = load[None, :] + xc[:, None] <= cap
+            room = np.ones((len(cand), k), bool)
+            if token_cap is not None:
+                tc = self.tokens[cand]
+                room = (tc[:, None] == 0) | (tok[None, :] + tc[:, None] <= token_cap)
+            ok = (load[None, :] + xc[:, None] <= cap) & room
             ok[:, o] = False
             if not ok.any():
-                ok = load[None, :] + xc[:, None] < load[o]
+                ok = (load[None, :] + xc[:, None] < load[o]) & room
                 ok[:, o] = False
                 if not ok.any():
                     break
@@ -301,6 +255,8 @@ class _Level:
             part[v] = e
             load[o] -= xc[i]
             load[e] += xc[i]
+            tok[o] -= self.tokens[v]
+            tok[e] += self.tokens[v]
             vn = self.vn[self.vptr[v]:self.vptr[v + 1]]
             cnt[vn, o] -= 1
             cnt[vn, e] += 1
@@ -346,21 +302,47 @@ class _Level:
             return np.zeros(len(self.verts), np.int64)
         cbs, tbs = np.flatnonzero(self.is_cb), np.flatnonzero(~self.is_cb)
         part = self.kahypar(eps_kahypar, seed, None)
+        fresh = part is not None
         if part is None:
             part = self.greedy()
-        cands = []
         moved = self.move_samples(part, token_cap, work_cap)
-        if self.repair(part, tbs, self.tokens, token_cap) + moved:
-            fixed = np.full(len(self.verts), -1, np.int64)
-            fixed[tbs] = part[tbs]
-            again = self.kahypar(eps_kahypar, seed, fixed)
+        moved += self.repair(part, tbs, self.tokens, token_cap)
+        moved += self.repair(part, cbs, self.work, work_cap, token_cap)
+        cands = [part]
+        if moved and fresh:
+            # every home stays where the repairs put it; compute follows them
+            again = self.kahypar(eps_kahypar, seed, np.where(self.tokens > 0, part, -1), part)
             if again is not None:
-                self.repair(again, cbs, self.work, work_cap)
+                self.repair(again, cbs, self.work, work_cap, token_cap)
                 cands.append(again)
-        self.repair(part, cbs, self.work, work_cap)
-        cands.append(part)
         costs = [self.cost(p) for p in cands]
         return cands[int(np.argmin(costs))]
+
+
+def solve_level(h: _Hyper, verts: np.ndarray, k: int, grain: float, eps_kahypar: float, work_cap: int,
+                token_cap: int, seed: int) -> np.ndarray:
+    """The part of every vertex of ``verts`` (sorted global ids) at one level:
+    solve on its clusters (:func:`coarsen`, clusters up to ``grain`` work),
+    expand; where a cluster was too coarse for a repair (a sample's tokens
+    that fit no part whole, work above ``work_cap`` left by clusters heavier
+    than the slack), the repairs finish on the single blocks."""
+    if len(verts) <= _SMALL * k:
+        grain = 0.0                                       # small enough for Mt-KaHyPar as it is
+    hc, cluster = coarsen(h, verts, grain)
+    tries = 0
+    while hc.n_cb < _MIN_CLUSTERS * k and hc.n < len(verts):
+        tries += 1                                        # too few to partition well: halve the cluster side,
+        grain = grain / 4 if tries < 5 else 0.0           # at last take the blocks themselves
+        hc, cluster = coarsen(h, verts, grain)
+    part = _Level(hc, np.arange(hc.n), k).solve(eps_kahypar, work_cap, token_cap, seed)[cluster]
+    if k > 1 and hc.n < len(verts):
+        tok = np.bincount(part, weights=h.tokens[verts], minlength=k)
+        load = np.bincount(part, weights=h.work[verts], minlength=k)
+        if tok.max(initial=0) > token_cap or load.max(initial=0) > work_cap:
+            fine = _Level(h, verts, k)
+            fine.repair(part, np.flatnonzero(~fine.is_cb), fine.tokens, token_cap)
+            fine.repair(part, np.flatnonzero(fine.is_cb), fine.work, work_cap)
+    return part
 
 
 # --------------------------------------------------------------------------- granularity
@@ -434,6 +416,7 @@ class HypergraphPlacement(Pass):
     min_block: int = 128    # automatic refinement never cuts token blocks below this (one kernel tile)
     head_groups: int = 0    # 0: the tile pass's, raised automatically when a block is too heavy
     grain: float = 0.0      # largest compute block / mean device load; 0: the balance slack
+    coarsen: float = 2.0    # largest cluster Mt-KaHyPar sees / the level's balance slack; 0: single blocks
 
     def __post_init__(self):
         for f in ("eps", "mem_eps"):
@@ -445,8 +428,10 @@ class HypergraphPlacement(Pass):
                 raise PlanError(f"hypergraph: {f} must be >= 0, got {getattr(self, f)}")
         if self.min_block <= 0:
             raise PlanError(f"hypergraph: min_block must be a positive integer, got {self.min_block}")
-        if not (math.isfinite(self.grain) and self.grain >= 0):
-            raise PlanError(f"hypergraph: grain must be a finite number >= 0, got {self.grain!r}")
+        for f in ("grain", "coarsen"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise PlanError(f"hypergraph: {f} must be a finite number >= 0, got {v!r}")
 
     def apply(self, ir: PlanIR) -> PlanIR:
         p, n, nodes = ir.problem, ir.devices, ir.nodes
@@ -466,18 +451,18 @@ class HypergraphPlacement(Pass):
             # a node's tokens must pack into its devices at token-block granularity:
             # below dpn·(cap − largest block) the least-loaded device always has room
             node_tok = min((1 + self.mem_eps / 4) * tok_mean * dpn, dpn * (tok_cap - int(g.tb_len.max())))
-            top = _Level(h, np.arange(h.n), nodes)
-            part = top.solve(node_eps, math.floor((1 + node_eps) * mean * dpn),
-                             max(math.ceil(tok_mean * dpn), int(node_tok)), self.seed)
+            part = solve_level(h, np.arange(h.n), nodes, self.coarsen * node_eps * mean * dpn, node_eps,
+                               math.floor((1 + node_eps) * mean * dpn),
+                               max(math.ceil(tok_mean * dpn), int(node_tok)), self.seed)
         dev = np.zeros(h.n, np.int64)
         for node in range(nodes):
             verts = np.flatnonzero(part == node)
             if not len(verts):
                 continue
-            lv = _Level(h, verts, dpn)
-            w = int(lv.work.sum())
+            w = int(h.work[verts].sum())
             eps_local = (work_cap * dpn / w - 1) if w else self.eps
-            local = lv.solve(min(max(eps_local, 1e-3), 10.0), work_cap, tok_cap, self.seed)
+            local = solve_level(h, verts, dpn, self.coarsen * limit, min(max(eps_local, 1e-3), 10.0), work_cap,
+                                tok_cap, self.seed)
             dev[verts] = node * dpn + local
         pl = Placement(devices=n, nodes=nodes, home=dev[h.n_cb:].copy(), cb_device=dev[:h.n_cb].copy())
         return ir.with_levels(graph=g, placement=pl)
