@@ -217,6 +217,8 @@ class Plan:
         return s
 
     def to_text(self, device: int | None = None) -> str:
+        if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))):
+            raise PlanError(f"device must be an integer, got {_show(device)}")
         if device is not None and not 0 <= device < self.devices:
             raise PlanError(f"device {device} does not exist; the plan has devices 0..{self.devices - 1}")
         return self.ir.need_program().to_text(device)
@@ -232,7 +234,15 @@ class Plan:
         return canonical_bytes(self.ir, self.meta)
 
     def save(self, path) -> None:
-        Path(path).write_bytes(self.to_bytes())
+        """Write the plan file (PlanError if ``path`` is not a writable regular file path)."""
+        p = Path(path)
+        if p.exists() and not p.is_file():  # a folder, a FIFO (would block), a device
+            raise PlanError(f"{path}: cannot write plan file: not a regular file")
+        data = self.to_bytes()
+        try:
+            p.write_bytes(data)
+        except OSError as e:
+            raise PlanError(f"{path}: cannot write plan file: {e.strerror or e}") from None
 
     @staticmethod
     def from_bytes(data: bytes, source: str = "<bytes>") -> "Plan":
@@ -310,9 +320,12 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     (``"causal"``, ``"sliding_window(256) | k < 16"``), a path to a ``.mask``
     file, or a parsed ``MaskProgram``. ``kv_heads`` defaults to ``heads``.
     ``pipeline`` overrides ``strategy``/``block_size`` with a pass pipeline
-    string. ``strategy="auto"`` compiles every strategy and keeps the plan
-    with the lowest predicted time (``plan.meta["candidates"]`` has each
-    one's). Every argument is checked before any work, sizes against
+    string. ``strategy="auto"`` places every strategy, then compiles and
+    simulates them in order of a lower bound of their time until the next
+    bound exceeds the best predicted time, and keeps the plan with the lowest
+    predicted time (``plan.meta["candidates"]`` has each simulated one's,
+    ``plan.meta["pruned"]`` why the others were not; :mod:`attnplan.tools.auto`).
+    Every argument is checked before any work, sizes against
     ``attnplan/ir/limits.py``: a wrong type or value raises ``BatchError``
     (batch) or ``PlanError`` (anything else) naming it."""
     t0 = time.perf_counter()
@@ -362,22 +375,10 @@ def _mask_program(mask):
 
 
 def _compile_auto(kwargs: dict) -> Plan:
-    from .passes import strategies
-    t0 = time.perf_counter()
-    best, candidates, errors = None, {}, []
-    for name in strategies():
-        try:
-            plan = compile(**dict(kwargs, strategy=name))
-        except PlanError as e:  # a strategy that cannot take this batch
-            errors.append(f"{name}: {str(e).splitlines()[0]}")
-            continue
-        candidates[name] = plan.stats()["predicted_s"]
-        if best is None or candidates[name] < candidates[best[0]]:
-            best = (name, plan)
-    if best is None:
-        raise PlanError("auto: no strategy could plan this batch (" + "; ".join(errors) + ")")
-    meta = dict(best[1].meta, strategy=f"auto:{best[0]}", candidates=candidates)
-    return Plan(best[1].ir, meta, {"plan_s": time.perf_counter() - t0}, best[1].profile)
+    """``strategy="auto"``: bound every strategy's placement, compile and simulate them best bound
+    first while one can still win, keep the lowest predicted time (see :mod:`attnplan.tools.auto`)."""
+    from .tools.auto import compile_auto
+    return compile_auto(kwargs)
 
 
 def attention(q, k, v, plan: Plan, group=None, *, softmax_scale: float | None = None, timeout: float | None = None,

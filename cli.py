@@ -79,6 +79,8 @@ def _check_output(path: str, what: str, binary: bool = False) -> None:
     p = Path(path)
     if p.is_dir():
         raise PlanError(f"{path}: cannot write {what}: it is a directory")
+    if p.exists() and not p.is_file():  # a FIFO would block until a reader comes, a device never fills
+        raise PlanError(f"{path}: cannot write {what}: not a regular file")
     if not p.parent.is_dir():
         raise PlanError(f"{path}: cannot write {what}: folder {p.parent} does not exist")
 

@@ -36,12 +36,14 @@ from ..ir.limits import MAX_PROFILE_FILE, MAX_TOKENS
 from ..ir.mask import Q0, Q1, piece_counts
 from ..ir.program import ATTN, ATTN_BWD, BBYTES, BWD, FWD, PHASES, RECV, SEND, T_BYTES, T_DST, T_SRC, WAIT
 
-# (field, smallest allowed value, whether that value itself is allowed) of the real-valued fields
+# (field, smallest allowed value, whether that value itself is allowed) of the real-valued fields. Rates are
+# at least 1 per second (1e-300 FLOP/s predicts inf ms), seconds and factors at most _MAX_REAL (sums stay finite).
 _REAL_FIELDS = {
-    "peak_flops": (0.0, False), "efficiency": (0.0, False), "launch_s": (0.0, True),
-    "intra_bw": (0.0, False), "inter_bw": (0.0, False), "intra_alpha": (0.0, True),
-    "inter_alpha": (0.0, True), "mem_bw": (0.0, False), "bwd_factor": (0.0, False),
+    "peak_flops": (1.0, True), "efficiency": (0.0, False), "launch_s": (0.0, True),
+    "intra_bw": (1.0, True), "inter_bw": (1.0, True), "intra_alpha": (0.0, True),
+    "inter_alpha": (0.0, True), "mem_bw": (1.0, True), "bwd_factor": (0.0, False),
 }
+_MAX_REAL = 1e30
 
 
 def _shown(v) -> str:
@@ -58,8 +60,8 @@ def _real(owner: str, key: str, v, low: float, inclusive: bool) -> float:
         x = float(v)
     except OverflowError:
         x = math.inf
-    if not math.isfinite(x) or x < low or (x == low and not inclusive):
-        raise PlanError(f"{owner}: {key} must be a finite number {bound}, got {_shown(v)}")
+    if not math.isfinite(x) or x < low or (x == low and not inclusive) or x > _MAX_REAL:
+        raise PlanError(f"{owner}: {key} must be a finite number {bound} and <= {_MAX_REAL:g}, got {_shown(v)}")
     return x
 
 

@@ -265,6 +265,8 @@ def read_file(path, check: bool = True) -> tuple[PlanIR, dict]:
         raise PlanFileError(f"a plan file path must be a string or path, got {type(path).__name__}")
     source = os.fsdecode(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block, a device never end
+            raise PlanFileError(f"{source}: cannot read plan file: not a regular file")
         with open(path, "rb") as f:
             raw, digest = _read_body(f, source)
     except OSError as e:

@@ -371,6 +371,14 @@ def _meta_candidates(v, name: str) -> None:
         _meta_number(x, f"{name}.{k}")
 
 
+def _meta_reasons(v, name: str) -> None:
+    if not isinstance(v, dict) or len(v) > 1024:
+        fail(f"{name} must be a map of strategy name to a reason")
+    for k, x in v.items():
+        _meta_string(k, f"{name} key")
+        _meta_string(x, f"{name}.{k}")
+
+
 def _meta_scalar(v, name: str) -> None:
     """Keys this version does not use: a string, a finite number, a boolean or null."""
     if v is None or isinstance(v, bool):
@@ -379,7 +387,8 @@ def _meta_scalar(v, name: str) -> None:
 
 
 _META = {"pipeline": _meta_string, "strategy": _meta_string, "profile": _meta_profile,
-         "block_size": _meta_block_size, "candidates": _meta_candidates}
+         "block_size": _meta_block_size, "candidates": _meta_candidates, "estimates": _meta_candidates,
+         "pruned": _meta_reasons}
 
 
 def check_meta(meta) -> dict:

@@ -133,7 +133,12 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
     (tmp / "file").write_text("x")
     c = [
         ("--devices 100000 on 500 tokens", ["compile", "--seqlens", "500", "--devices", "100000", "-o", f"{tmp}/a.plan"], "error"),
-        ("--devices 1000 on 500 tokens", ["compile", "--seqlens", "500", "--devices", "1000", "-o", f"{tmp}/a.plan"], "ok"),
+        ("--devices 1000 on 500 tokens", ["compile", "--seqlens", "500", "--devices", "1000", "-o", f"{tmp}/a.plan"], "error"),
+        ("--devices 256 (the limit) on 500 tokens", ["compile", "--seqlens", "500", "--devices", "256", "-o", f"{tmp}/d.plan"], "ok"),
+        ("plan stats of that plan", ["stats", f"{tmp}/d.plan"], "ok"),
+        ("--seqlens 100000 --block-size 1", ["compile", "--seqlens", "100000", "--block-size", "1", "--devices", "8", "-o", f"{tmp}/a.plan"], "error"),
+        ("--seqlens 2^26 (MAX_TOKENS) on 2 devices", ["compile", "--seqlens", str(1 << 26), "--devices", "2", "-o", f"{tmp}/a.plan"], "error"),
+        ("--seqlens 2000000 --block-size 64", ["compile", "--seqlens", "2000000", "--block-size", "64", "--devices", "8", "-o", f"{tmp}/a.plan"], "error"),
         ("--devices 3000 on 500 tokens", ["compile", "--seqlens", "500", "--devices", "3000", "-o", f"{tmp}/a.plan"], "error"),
         ("--devices 10**12", ["compile", "--seqlens", "500", "--devices", str(10**12), "-o", f"{tmp}/a.plan"], "error"),
         ("--seqlens 10**12", ["compile", "--seqlens", str(10**12), "--devices", "4", "-o", f"{tmp}/a.plan"], "error"),

@@ -19,13 +19,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import PlanError
+from .limits import MAX_TILE_PIECES
 from .mask import K0, K1, Q0, Q1, piece_counts, tighten
 from .problem import Problem
 
 
-def _expand(first: np.ndarray, last: np.ndarray):
-    """For ranges ``[first[i], last[i]]`` return (owner row, value) of every element."""
+def _expand(first: np.ndarray, last: np.ndarray, what: str = "rows"):
+    """For ranges ``[first[i], last[i]]`` return (owner row, value) of every
+    element; PlanError before allocating when there are over MAX_TILE_PIECES."""
     n = np.maximum(last - first + 1, 0)
+    total = int(n.sum(dtype=np.int64)) if len(n) else 0
+    if total > MAX_TILE_PIECES:
+        raise PlanError(f"tiling would make {total:,} {what}, over the limit of {MAX_TILE_PIECES:,} (ir/limits.py "
+                        f"MAX_TILE_PIECES): use a larger block size or fewer devices")
     owner = np.repeat(np.arange(len(first)), n)
     value = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + first[owner]
     return owner, value
@@ -133,7 +140,7 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> B
     # over q blocks
     first = np.searchsorted(starts, P[:, Q0], "right") - 1
     last = np.searchsorted(starts, P[:, Q1] - 1, "right") - 1
-    src, qb = _expand(first, last)
+    src, qb = _expand(first, last, "(mask piece, q block) rows")
     rows = P[src]
     rows[:, Q0] = np.maximum(rows[:, Q0], starts[qb])
     rows[:, Q1] = np.minimum(rows[:, Q1], ends[qb])
@@ -142,7 +149,7 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> B
     # over kv blocks
     first = np.searchsorted(starts, rows[:, K0], "right") - 1
     last = np.searchsorted(starts, rows[:, K1] - 1, "right") - 1
-    own, kb = _expand(first, last)
+    own, kb = _expand(first, last, "(mask piece, tile) rows")
     rows, src, qb = rows[own], src[own], qb[own]
     rows[:, K0] = np.maximum(rows[:, K0], starts[kb])
     rows[:, K1] = np.minimum(rows[:, K1], ends[kb])

@@ -10,12 +10,15 @@ errors agree.
 MAX_TOKENS = 1 << 26            # tokens in one batch (67,108,864; issue 9 plans 4M)
 MAX_SAMPLES = 1 << 20           # samples (documents) in one batch
 MAX_SEGMENTS = 1 << 22          # segments of all samples of one batch (batch files, plan files)
-MAX_DEVICES = 1024              # devices of one attention plan (CP group)
+MAX_DEVICES = 256               # devices of one attention plan (CP group); issue 9 plans up to 256. Ring
+                                # traffic is N^2 per-block messages today: 1000 devices on 500 tokens made 4.9M
+                                # instructions (40 s to plan, 42 s stats, >300 s run --check)
 MAX_HEADS = 1 << 12             # query heads, kv heads
 MAX_HEAD_DIM = 1 << 12          # head dimension
 MAX_BLOCK_SIZE = MAX_TOKENS     # token block size of the tile pass
 MAX_STAGES = 4096               # stages of a divided schedule
 MAX_COMPUTE_BLOCKS = 300_000    # compute blocks a pipeline may create (PlanError beyond)
+MAX_TILE_PIECES = 1 << 23       # (tile, mask piece) rows the tiler may expand, counted before it allocates them
 MAX_MASK_PIECES = 1 << 22       # canonical mask pieces of one batch
 MAX_MASK_TEXT = 1 << 20         # characters of mask text
 MAX_MASK_INT = 1 << 62          # |integer literal| in mask text (the pieces' unbounded sentinel)

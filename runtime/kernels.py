@@ -292,6 +292,9 @@ def _check_rows(name: str, t, shape: tuple, dtype=None) -> None:
         raise ShapeError(f"{name} must be a floating CPU tensor, got {t.dtype} on {t.device}")
 
 
+SCALE_RANGE = (1e-30, 1e30)  # inside the normal range of float32 and bfloat16 (1.2e-38 .. 3.4e38)
+
+
 def check_scale(scale) -> float:
     """``scale`` as a float if it is a finite real number > 0 (not a bool);
     else :class:`ShapeError` (a softmax scale of 0, below 0, nan or inf
@@ -304,6 +307,9 @@ def check_scale(scale) -> float:
         f = math.inf
     if not (math.isfinite(f) and f > 0):
         raise ShapeError(f"softmax_scale must be a finite number > 0, got {scale!r}")
+    if not SCALE_RANGE[0] <= f <= SCALE_RANGE[1]:  # 1e-50 is 0 in fp32/bf16: NaN rows
+        raise ShapeError(f"softmax_scale must be in [{SCALE_RANGE[0]:g}, {SCALE_RANGE[1]:g}] (representable in "
+                         f"fp32 and bf16), got {f:g}")
     return f
 
 

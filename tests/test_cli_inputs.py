@@ -443,3 +443,40 @@ def test_execute_accepts_a_valid_scale(small_plan):
     b = attnplan.execute(plan, q, k, v, softmax_scale=0.5)
     assert torch.equal(a, b) and bool(torch.isfinite(a).all())
     assert not math.isclose(float((a - attnplan.execute(plan, q, k, v)).abs().max()), 0.0)
+
+
+# --- found by the outside review: sizes checked before the tiler allocates; tiny scales; odd paths -----------------
+@pytest.mark.parametrize("kw", [dict(seqlens=[100_000], block_size=1, devices=8),
+                                dict(seqlens=[1 << 26], devices=2),
+                                dict(seqlens=[2_000_000], block_size=64, devices=8)])
+def test_tiling_is_refused_before_it_allocates(kw):
+    """Before: a 37 GiB numpy MemoryError, a 24 GiB allocation after 16 s, an OOM kill at 23 GB."""
+    t0 = time.perf_counter()
+    with pytest.raises(attnplan.PlanError, match="MAX_TILE_PIECES"):
+        attnplan.compile(**kw)
+    assert time.perf_counter() - t0 < 60  # work before the refusal is linear in tokens, not in tiles
+
+
+@pytest.mark.parametrize("scale", [1e-50, 1e-300, 1e40])
+def test_scales_that_vanish_or_overflow_in_float32_are_refused(small_plan, scale):
+    plan = attnplan.load(small_plan)
+    p = plan.problem
+    q = torch.randn(p.tokens, p.heads, p.head_dim)
+    kv = torch.randn(p.tokens, p.kv_heads, p.head_dim)
+    with pytest.raises(attnplan.ShapeError, match="softmax_scale must be in"):
+        attnplan.execute(plan, q, kv, kv, softmax_scale=scale)
+
+
+def test_plan_paths_that_are_not_regular_files(small_plan, tmp_path):
+    import os
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    plan = attnplan.load(small_plan)
+    with pytest.raises(attnplan.PlanFileError, match="not a regular file"):
+        attnplan.load(fifo)  # would block forever waiting for a writer
+    with pytest.raises(attnplan.PlanError, match="not a regular file"):
+        plan.save(fifo)
+    with pytest.raises(attnplan.PlanError, match="not a regular file"):
+        plan.save(tmp_path)
+    with pytest.raises(attnplan.PlanError, match="device must be an integer"):
+        plan.to_text(device="0")

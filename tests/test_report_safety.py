@@ -285,7 +285,14 @@ def test_non_finite_profile_values(tmp_path, key, literal):
 def test_negative_values_no_longer_predict_negative_times(plan, tmp_path):
     """The issue's case: negative numbers were accepted and predicted -2000 ms."""
     path = good_profile(tmp_path, peak_flops=-312e12, intra_bw=-240e9)
-    with pytest.raises(PlanError, match="peak_flops must be a finite number > 0"):
+    with pytest.raises(PlanError, match="peak_flops must be a finite number >= 1"):
+        plan.stats(str(path))
+
+
+@pytest.mark.parametrize("key,value", [("peak_flops", 1e-300), ("intra_bw", 1e-300), ("inter_alpha", 1e300)])
+def test_extreme_values_that_would_predict_inf_or_nan_are_refused(plan, tmp_path, key, value):
+    path = good_profile(tmp_path, **{key: value})
+    with pytest.raises(PlanError, match=f"{key} must be a finite number"):
         plan.stats(str(path))
 
 

@@ -89,6 +89,28 @@ def test_a_dead_worker_gives_plan_error_and_the_prefetcher_goes_on():
     assert got == [[40, 9], [17], {"name": "last", "seqlens": [5, 5]}]
 
 
+def test_workers_killed_while_idle_lose_no_batch():
+    """Every worker SIGKILLed between batches (the pool breaks on the next
+    submit): the prefetcher restarts it and still delivers every batch, in
+    order (before: a raw BrokenProcessPool, and the batch being pulled went
+    to a discarded queue)."""
+    import multiprocessing
+    import signal
+    import time
+    batches = [[200 + i, 64] for i in range(8)]
+    got = []
+    with attnplan.PlanPrefetcher(iter(batches), KW, workers=2, lookahead=3) as pf:
+        got.append(next(pf)[0])
+        deadline = time.monotonic() + 60
+        while not all(it.future.done() for it in pf._queue) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+        time.sleep(0.5)
+        got += [batch for batch, _ in pf]
+    assert got == batches
+
+
 def test_workers_that_keep_dying_close_the_prefetcher_clearly():
     batches = [[_KillsItsProcess()] for _ in range(MAX_RESTARTS + 2)]
     pf = attnplan.PlanPrefetcher(batches, KW, workers=1, lookahead=1)

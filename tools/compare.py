@@ -1,5 +1,6 @@
-"""Compare strategies side by side on one batch (``plan compare``), and
-``auto``: compile the candidates, keep the plan with the lowest predicted time.
+"""Compare strategies side by side on one batch (``plan compare``): every
+strategy asked for is compiled, nothing is pruned (``auto``, which compiles
+only the promising ones, is :mod:`attnplan.tools.auto`).
 
 Every number in a row comes from the plan's own ``stats()`` (the definitions
 of docs/DESIGN.md); a strategy that cannot take the batch (e.g. ulysses with more

@@ -146,11 +146,22 @@ class PlanPrefetcher:
         except PlanError as e:  # raised when this batch comes up
             self._queue.append(_Item(batch, f"#{i}", None, None, None, e))
             return True
-        self._queue.append(_Item(batch, name, lens, segs, self._submit(lens, segs)))
+        future = self._submit(lens, segs)  # first: a restart inside it resubmits the queue
+        self._queue.append(_Item(batch, name, lens, segs, future))
         return True
 
     def _submit(self, lens, segs):
-        return self._pool.submit(compile_to_bytes, lens, segs, self.kwargs) if self._pool is not None else None
+        """A future of this batch's plan; a pool whose workers died while idle
+        is restarted first (the batches in flight are submitted again)."""
+        if self._pool is None:
+            return None
+        try:
+            return self._pool.submit(compile_to_bytes, lens, segs, self.kwargs)
+        except BrokenProcessPool:
+            self._restart("(between batches)")
+            if self._pool is None:  # closed: deaths repeated; __next__ says so
+                return None
+            return self._pool.submit(compile_to_bytes, lens, segs, self.kwargs)
 
     def __iter__(self):
         return self
@@ -198,9 +209,10 @@ class PlanPrefetcher:
             self._queue.clear()
             return
         self._pool = ProcessPoolExecutor(self.workers, mp_context=self._ctx)
-        self._queue = deque(it if it.error is not None else
-                            dataclasses.replace(it, future=self._submit(it.seqlens, it.segments))
-                            for it in self._queue)
+        pending = list(self._queue)
+        self._queue.clear()  # the same deque, refilled: callers may hold it
+        self._queue.extend(it if it.error is not None else
+                           dataclasses.replace(it, future=self._submit(it.seqlens, it.segments)) for it in pending)
 
     def _after_death(self) -> str:
         if self._closed is not None:
