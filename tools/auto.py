@@ -23,8 +23,8 @@ than the best simulated plan's whole makespan cannot win.
    backward: the placement with no exposed communication. The simulator's
    makespan is never below it (every device runs its own compute blocks and
    waits for all its sends and receives, each queue serving one transfer at
-   a time); on the shared batches it is 0.6–1.0 of the predicted time, lowest
-   where inter-node traffic is exposed.
+   a time); on the shared batches it is 0.63–1.0 of the predicted time
+   (median 0.90), lowest where inter-node traffic is exposed.
 3. **Branch and bound**: finish the candidates (the rest of their pipeline,
    from the placement already made, verified as in ``compile``) and simulate
    them in increasing order of estimate, and stop at the first one whose
@@ -32,9 +32,10 @@ than the best simulated plan's whole makespan cannot win.
    lower bound, neither it nor any later one can be faster. The lowest
    predicted time wins (ties: the first name, as the exhaustive search).
    The choice is therefore the exhaustive search's (compile and simulate
-   every strategy), at the cost of the placements plus usually one or two
-   finished candidates; ``tests/test_auto.py`` checks the bound and the
-   choice. ``keep`` forces at least that many to be finished.
+   every strategy), at the cost of the placements plus the finished
+   candidates: 1.38 on average on the shared batches at 8 and 32 devices,
+   at most 3 (benchmarks/auto_bench.py); ``tests/test_auto.py`` checks the
+   bound and the choice. ``keep`` forces at least that many to be finished.
 
 The chosen plan's IR and pipeline are exactly those of ``compile(strategy=
 winner)``. Its ``meta`` records, as pure functions of the inputs (no
@@ -42,12 +43,13 @@ timings): ``candidates`` (predicted seconds of the simulated ones),
 ``estimates`` (the bound of every strategy that could place the batch) and
 ``pruned`` (strategy → why it was not simulated: its bound against the best
 predicted time, or the PlanError it raised). ``Plan.measured`` (in memory
-only) has the seconds of every placement and every finished candidate.
+only) has the seconds of every placement and of the search after them.
 
 Everything runs in this process: a process pool for the placements
 (``concurrent.futures``, forkserver, workers started with attnplan imported)
-was 1.18x slower in the median on this 2-core machine (0.84-2.51x over the
-56 shared cases; benchmarks/auto_bench.py, load 1-3), so there is none.
+was 1.18x slower in the median than placing in this process on this 2-core
+machine (0.84-2.51x over the 56 shared cases, load 1-4, measured with an
+earlier version of auto_bench.py), so there is none.
 """
 
 from __future__ import annotations
