@@ -111,18 +111,6 @@ def _summary_stream(path: str):
     return sys.stderr if path == STDOUT else sys.stdout
 
 
-def _out_dir(path: str) -> Path:
-    """A folder for several output files, created if missing (PlanError if it cannot be)."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise PlanError(f"{path}: not a folder (--out names a folder for bench.json, summary.txt and plots)")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PlanError(f"{path}: cannot create folder: {e.strerror or e}") from None
-    return p
-
-
 # ------------------------------------------------------------------ shared options
 
 def _batch_args(p):
@@ -455,7 +443,8 @@ def _cmd_bench(args) -> int:
         load_mask(mask)
     check_options(devices=1, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   block_size=args.block_size, dtype=args.dtype, profile=args.profile)
-    out = _out_dir(args.out)
+    from .tools.bench import ensure_out_dir
+    out = ensure_out_dir(args.out)
     res = bench(path, args.masks, args.devices, strategies, out, names=_names(args.names), heads=args.heads,
                 kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size, profile=args.profile,
                 show_progress=not args.no_progress)

@@ -171,21 +171,21 @@ def _check_options(masks, devices, strategies) -> None:
         raise PlanError("bench: give at least one strategy")
 
 
-def _out_dir(out_dir) -> Path:
-    """The output folder, created if missing (a file there is an error)."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise PlanError(f"bench: --out {out} is a file; give a folder for bench.json, summary.txt and the plots")
+def ensure_out_dir(path) -> Path:
+    """A folder for several output files, created if missing (PlanError if it cannot be)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise PlanError(f"{path}: not a folder (--out names a folder for bench.json, summary.txt and plots)")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise PlanError(f"bench: cannot create the folder {out}: {e.strerror or e}") from None
-    return out
+        raise PlanError(f"{path}: cannot create folder: {e.strerror or e}") from None
+    return p
 
 
 def bench(batches_path: str, masks, devices, strategies, out_dir, names=None, **kw) -> dict:
     _check_options(masks, devices, strategies)
-    out = _out_dir(out_dir)
+    out = ensure_out_dir(out_dir)
     batches = load_batches(batches_path, names)
     rows = run_bench(batches, masks, devices, strategies, **kw)
     summary = summarize(rows)
