@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,hf]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

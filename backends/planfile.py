@@ -1,6 +1,7 @@
 """The plan file: ``MAGIC | version u16 | flags u16 | body length u64 |
 sha256(body) | body``, where the body is zlib-compressed msgpack of plain
-maps, lists, numbers, strings and raw array bytes. Nothing is ever unpickled.
+maps, lists, numbers, strings and array records (column-wise
+differences, :func:`_arr`). Nothing is ever unpickled.
 
 The file is a pure function of the compile inputs: it holds the IR and the
 plan's metadata (pipeline, strategy, block size, builtin cost profile, auto's
@@ -37,7 +38,8 @@ from . import planfile_schema as schema
 from .cost import PROFILES
 
 MAGIC = b"ATTNPLAN"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the version written: array records delta-encoded by column
+READ_VERSIONS = (1, 2)  # 1: raw row-major array records (no "enc")
 _HEADER = struct.Struct("<8sHHQ32s")
 _CHUNK = 1 << 20  # inflate step while counting the body's size
 _ZLIB_LEVEL = 1  # level 6 is 4.8x slower for <1% smaller files (130 MB body: 10.8 s vs 2.3 s, 16.46 vs 16.52 MB)
@@ -46,10 +48,18 @@ _ZLIB_LEVEL = 1  # level 6 is 4.8x slower for <1% smaller files (130 MB body: 10
 
 
 def _arr(a: np.ndarray) -> dict:
+    """An array record. Stored column by column, each column as the differences
+    of consecutive values (``enc: "delta"``, wrapping int64 arithmetic, so any
+    values round-trip exactly): plan columns are sorted or slowly varying ids,
+    which zlib then packs 4x tighter than raw rows (zigzag, 4M tokens on 64
+    devices: 15.0 MB -> 3.7 MB)."""
     a = np.asarray(a, dtype=np.int64)
-    lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    cols = a.T if a.ndim == 2 else a
+    with np.errstate(over="ignore"):
+        d = np.diff(cols, axis=-1, prepend=np.zeros(cols.shape[:-1] + (1,), np.int64)) if a.size else cols
+    lo, hi = (int(d.min()), int(d.max())) if d.size else (0, 0)
     dt = "<i4" if -(1 << 31) <= lo and hi < (1 << 31) else "<i8"
-    return {"dtype": dt, "shape": list(a.shape), "data": a.astype(dt).tobytes()}
+    return {"dtype": dt, "shape": list(a.shape), "data": np.ascontiguousarray(d).astype(dt).tobytes(), "enc": "delta"}
 
 
 def file_meta(meta: dict) -> dict:
@@ -109,9 +119,9 @@ def _check_header(head: bytes, source: str) -> tuple[int, bytes]:
     magic, version, flags, length, digest = _HEADER.unpack_from(head)
     if magic != MAGIC:
         raise PlanFileError(f"{source}: not an attnplan plan file (bad magic)")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise PlanFileError(f"{source}: plan file format version {version}; "
-                            f"this attnplan reads version {FORMAT_VERSION}")
+                            f"this attnplan reads versions {', '.join(map(str, READ_VERSIONS))}")
     if flags != 0:  # no flags are defined: the header (not covered by the checksum) was altered
         raise PlanFileError(f"{source}: plan file header has unknown flags {flags:#06x}")
     return length, digest

@@ -101,8 +101,11 @@ def array(d, key: str, where: str, cols: int | None = None, length: int | None =
 def record(rec, name: str, cols: int | None = None, length: int | None = None, max_len: int | None = None,
            limit: str = "") -> np.ndarray:
     """:func:`array` for the record ``rec`` named ``name``."""
-    if not isinstance(rec, dict) or set(rec) != {"dtype", "shape", "data"}:
+    if not isinstance(rec, dict) or set(rec) - {"enc"} != {"dtype", "shape", "data"}:
         fail(f"{name} is not an array record")
+    enc = rec.get("enc", "raw")
+    if enc not in ("raw", "delta"):
+        fail(f"{name}: enc must be 'raw' or 'delta', got {_kind(enc) if not isinstance(enc, str) else repr(enc[:20])}")
     dt, shape, data = rec["dtype"], rec["shape"], rec["data"]
     if not isinstance(dt, str) or dt not in _ARRAY_DTYPES:
         fail(f"{name}: dtype must be one of {sorted(_ARRAY_DTYPES)}")
@@ -117,7 +120,19 @@ def record(rec, name: str, cols: int | None = None, length: int | None = None, m
         fail(f"{name} has {shape[0]} rows, more than {max_len}" + (f" ({limit})" if limit else ""))
     if not isinstance(data, bytes) or len(data) != math.prod(shape) * _ARRAY_DTYPES[dt]:
         fail(f"{name}: data has {len(data) if isinstance(data, bytes) else _kind(data)} bytes for shape {shape}")
-    return np.frombuffer(data, dtype=dt).reshape(shape).astype(np.int64)
+    if enc == "raw":
+        return np.frombuffer(data, dtype=dt).reshape(shape).astype(np.int64)
+    return undelta(np.frombuffer(data, dtype=dt), shape)
+
+
+def undelta(d: np.ndarray, shape: list) -> np.ndarray:
+    """Invert the ``delta`` encoding: ``d`` holds the column-major differences
+    of an array of ``shape``; running sums in wrapping int64 arithmetic (a
+    crafted file yields some int64 values, which the range checks then judge)."""
+    cols = d.astype(np.int64).reshape(shape[::-1])
+    with np.errstate(over="ignore"):
+        out = np.cumsum(cols, axis=-1, dtype=np.int64) if cols.size else cols
+    return np.ascontiguousarray(out.T if len(shape) == 2 else out)
 
 
 def in_range(a: np.ndarray, lo: int, hi: int, name: str) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import attnplan
-from attnplan.backends import planfile
+from attnplan.backends import planfile, planfile_schema
 from attnplan.backends.planfile import FORMAT_VERSION, MAGIC, _HEADER, pack, unpack
 from attnplan.errors import BatchError, PlanFileError
 from attnplan.ir.graph import BlockGraph
@@ -280,18 +280,16 @@ def test_body_that_does_not_verify(plan):
 def test_bad_ids_with_valid_checksum(data):
     # ids out of range reach the verifier; it must answer PlanFileError, not IndexError
     body = _body(data)
-    rec = body["placement"]["cb_device"]
-    a = np.frombuffer(rec["data"], dtype=rec["dtype"]).copy()
+    a = _get_arr(body["placement"]["cb_device"])
     for bad in (-1, 2, 10**6, 2**31 - 1):
         a2 = a.copy()
         a2[0] = bad
-        rec["data"] = a2.tobytes()
+        body["placement"]["cb_device"] = _rec(a2)
         with pytest.raises(PlanFileError):
             _load(_repack(body))
-    rec = body["graph"]["tile_q"]
-    a = np.frombuffer(rec["data"], dtype=rec["dtype"]).copy()
+    a = _get_arr(body["graph"]["tile_q"])
     a[0] = 10**6
-    rec["data"] = a.tobytes()
+    body["graph"]["tile_q"] = _rec(a)
     with pytest.raises(PlanFileError, match=r"graph\.tile_q\[0\] = 1000000 is outside \[0, "):
         _load(_repack(body))  # caught by the loader's id ranges, before the verifier sees it
 
@@ -485,7 +483,7 @@ def _rec(a, dtype="<i8") -> dict:
 
 
 def _get_arr(rec) -> np.ndarray:
-    return np.frombuffer(rec["data"], dtype=rec["dtype"]).reshape(rec["shape"]).astype(np.int64)
+    return planfile_schema.record(rec, "test", rec["shape"][1] if len(rec["shape"]) == 2 else None)
 
 
 def _set(body, path, value):
@@ -719,3 +717,36 @@ def test_cli_reports_a_crafted_file_in_one_line(data, tmp_path, capsys):
         code = cli.main([cmd, str(path)])
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and "meta.profile must be a builtin cost profile" in err, err
+
+
+# ------------------------------------------------------------------ array encoding (format 2) and format 1 files
+
+@pytest.mark.parametrize("shape", [(0,), (7,), (0, 6), (5, 6), (3, 1)])
+def test_delta_records_round_trip_extreme_values(shape):
+    rng = np.random.default_rng(sum(shape))
+    extremes = np.array([0, 1, -1, (1 << 62), -(1 << 62), (1 << 63) - 1, -(1 << 63), 2**31, -2**31 - 1], np.int64)
+    a = extremes[rng.integers(len(extremes), size=shape)]
+    rec = planfile._arr(a)
+    assert rec["enc"] == "delta" and rec["shape"] == list(shape)
+    assert np.array_equal(_get_arr(rec), a)
+
+
+def test_format_1_files_with_raw_records_still_load(plan, data):
+    def raw(x):
+        if isinstance(x, dict) and x.get("enc") == "delta":
+            return _rec(_get_arr(x), x["dtype"] if x["dtype"] == "<i8" else "<i8")
+        if isinstance(x, dict):
+            return {k: raw(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [raw(v) for v in x]
+        return x
+    body = raw(_body(data))
+    old = _load(_frame(zlib.compress(msgpack.packb(body, use_bin_type=True)), version=1))
+    assert old.canonical_bytes() == plan.canonical_bytes()
+
+
+def test_unknown_array_encoding_is_named(data):
+    body = _body(data)
+    body["graph"]["tile_q"]["enc"] = "rle"
+    with pytest.raises(PlanFileError, match=r"graph\.tile_q: enc must be 'raw' or 'delta'"):
+        _load(_repack(body))
