@@ -4,13 +4,20 @@ Compute: a compute block costs ``launch_s`` plus its FLOPs at
 ``peak_flops * efficiency``, with each piece's query rows rounded up to the
 kernel's ``tile_q`` (a 1-row piece costs a whole 128-row tile). Backward
 costs ``bwd_factor`` times forward (flash-attention's 5 matmuls vs 2).
-Communication: ``alpha + bytes / bandwidth``, intra-node or inter-node; a
-sender's link carries one transfer at a time. Merges and adds stream their
-bytes at ``mem_bw``.
+Communication is by message (every block between two devices in one phase
+and stage travels in one, see :mod:`attnplan.ir.program`): a message costs
+``alpha + bytes / bandwidth``, intra-node or inter-node — one latency per
+message, its blocks' bytes summed; a sender's link carries one message at a
+time. Merges and adds stream their bytes at ``mem_bw``.
 
-The simulator walks the programs with the same cooperative walk as the
-verifier; a transfer starts once both ends are posted (and the sender's link
-is free). ``predicted_s`` = forward makespan + backward makespan.
+The simulator walks the programs with the same rendezvous semantics as the
+verifier; a message starts once both ends are posted (and the sender's link
+is free). Its events are messages and the instructions around them: the
+local instructions between two communication instructions of a device are
+one step, their seconds summed with numpy (per-instruction times are
+recovered from those sums when events are recorded), so its cost follows the
+messages, not the blocks. ``predicted_s`` = forward makespan + backward
+makespan.
 
 Where a profile comes from decides how it is looked up: a name recorded in a
 plan (``meta.profile``) is only ever a builtin name (:func:`builtin_profile`),
@@ -34,7 +41,8 @@ import numpy as np
 from ..errors import DeadlockError, PlanError
 from ..ir.limits import MAX_PROFILE_FILE, MAX_TOKENS
 from ..ir.mask import Q0, Q1, piece_counts
-from ..ir.program import ATTN, ATTN_BWD, BBYTES, BWD, FWD, PHASES, RECV, SEND, T_BYTES, T_DST, T_SRC, WAIT
+from ..ir.program import (A1, A2, ATTN, ATTN_BWD, BBYTES, BWD, FWD, M_BYTES, M_DST, M_SRC, OP, PHASES, RECV, SEND,
+                          WAIT)
 
 # (field, smallest allowed value, whether that value itself is allowed) of the real-valued fields. Rates are
 # at least 1 per second (1e-300 FLOP/s predicts inf ms), seconds and factors at most _MAX_REAL (sums stay finite).
@@ -228,51 +236,110 @@ def cb_seconds(graph, prof: Profile) -> np.ndarray:
     return prof.launch_s + flops / prof.flops
 
 
-def transfer_seconds(ir, prof: Profile) -> np.ndarray:
-    """Seconds of every transfer: ``alpha + bytes / bandwidth`` of the link it crosses."""
-    X = ir.program.transfers
-    node = np.arange(ir.program.devices) // ir.placement.devices_per_node
-    src, dst, nbytes = X[:, T_SRC], X[:, T_DST], X[:, T_BYTES].astype(float)
-    inter = node[src] != node[dst] if len(X) else np.zeros(0, bool)
+def link_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, per_node: int, prof: Profile) -> np.ndarray:
+    """``alpha + bytes / bandwidth`` of the link (intra- or inter-node) each message crosses."""
+    inter = (src // per_node) != (dst // per_node)
+    nbytes = nbytes.astype(float)
     return np.where(inter, prof.inter_alpha + nbytes / prof.inter_bw, prof.intra_alpha + nbytes / prof.intra_bw)
+
+
+def message_seconds(ir, prof: Profile) -> np.ndarray:
+    """Seconds of every message: ``alpha + bytes / bandwidth`` of the link it crosses."""
+    M = ir.program.messages
+    return link_seconds(M[:, M_SRC], M[:, M_DST], M[:, M_BYTES], ir.placement.devices_per_node, prof)
 
 
 # ----------------------------------------------------------------------------------------------
 # the event simulation of one phase
 # ----------------------------------------------------------------------------------------------
 
+_LOCAL = -1  # a step of local instructions (compute blocks, merges, adds), their seconds summed
+
+
+@dataclass(slots=True, eq=False)
+class _Steps:
+    """One phase's streams as steps: every send, receive and wait, and every
+    maximal run of local instructions of a device as one step (its seconds
+    summed). ``steps[d]``: device ``d``'s steps as ``(op, message or step
+    index, seconds)``; for recording, the instructions behind each local step."""
+
+    steps: list
+    row_dev: np.ndarray      # local instructions (all devices, stream order): device
+    row_dur: np.ndarray      # ... seconds
+    row_cb: np.ndarray       # ... compute block (-1: merge / add)
+    row_step: np.ndarray     # ... their local step (global index)
+    step_first: np.ndarray   # local step -> its first row in the arrays above
+
+
+def _steps(code: tuple, bufbytes: tuple, cost: np.ndarray, mem_bw: float) -> _Steps:
+    n = len(code)
+    lens = np.array([len(c) for c in code], np.int64)
+    C = np.concatenate(code) if n else np.zeros((0, 6), np.int64)
+    dev = np.repeat(np.arange(n, dtype=np.int64), lens)
+    op = C[:, OP]
+    comm = (op == SEND) | (op == RECV) | (op == WAIT)
+    attn = (op == ATTN) | (op == ATTN_BWD)
+    dur = np.zeros(len(C))
+    dur[attn] = cost[C[attn, A1]]
+    other = np.flatnonzero(~comm & ~attn)  # MERGE / ADD stream their bytes
+    if len(other):
+        boff = np.concatenate([[0], np.cumsum([len(b) for b in bufbytes])]).astype(np.int64)
+        flat = np.concatenate(bufbytes).astype(float)
+        dur[other] = flat[boff[dev[other]] + C[other, A2]] * 3 / mem_bw
+    # a new step at every communication instruction, after one, and at every device's start
+    new = comm.copy()
+    if len(C):
+        new[1:] |= comm[:-1] | (dev[1:] != dev[:-1])
+        new[0] = True
+    step = np.cumsum(new) - 1
+    first = np.flatnonzero(new)
+    sdur = np.add.reduceat(dur, first) if len(first) else np.zeros(0)
+    sop = np.where(comm[first], op[first], _LOCAL)
+    loc = ~comm
+    lstep = step[loc]
+    lfirst = np.flatnonzero(np.r_[True, lstep[1:] != lstep[:-1]]) if len(lstep) else np.zeros(0, np.int64)
+    local_id = np.full(len(first), -1, np.int64)
+    local_id[lstep[lfirst]] = np.arange(len(lfirst))
+    sarg = np.where(comm[first], C[first, A1] if len(first) else 0, local_id)
+    items = list(zip(sop.tolist(), sarg.tolist(), sdur.tolist()))
+    steps, at = [], 0
+    for k in np.bincount(dev[first], minlength=n).tolist():
+        steps.append(items[at:at + k])
+        at += k
+    return _Steps(steps, dev[loc], dur[loc], np.where(attn[loc], C[loc, A1], -1), local_id[lstep], lfirst)
+
+
 @dataclass(slots=True, eq=False)
 class _PhaseWalk:
     """The mutable state of one phase's simulation (private to :func:`simulate`):
     per device its clock, busy time, program counter and link queues; per
-    transfer tag its first post, its end and the devices waiting on it."""
+    message its first post, its end and the devices waiting on it."""
 
-    code: list            # per device: its instructions as lists
-    bufbytes: list        # per device: bytes of each buffer
-    cost: list            # per compute block: seconds in this phase
-    src: list             # per transfer: sender, receiver, seconds
+    steps: list           # per device: its steps (op, message or local step, seconds)
+    src: list             # per message: sender, receiver, seconds
     dst: list
     dur: list
-    mem_bw: float
     record: bool
+    n_local: int = 0      # local steps (their start times are recorded)
     clock: list = field(default_factory=list)
     busy: list = field(default_factory=list)
     pc: list = field(default_factory=list)
     send_free: list = field(default_factory=list)
     recv_free: list = field(default_factory=list)
-    posted: dict = field(default_factory=dict)    # tag -> time of the first post
-    end: dict = field(default_factory=dict)       # tag -> completion time
-    waiting: dict = field(default_factory=dict)   # tag -> devices stalled on it
+    posted: dict = field(default_factory=dict)    # message -> time of the first post
+    end: dict = field(default_factory=dict)       # message -> completion time
+    waiting: dict = field(default_factory=dict)   # message -> devices stalled on it
     heap: list = field(default_factory=list)
-    ev_c: list = field(default_factory=list)
+    local_t0: list = field(default_factory=list)  # local step -> start time
     ev_t: list = field(default_factory=list)
     ev_w: list = field(default_factory=list)
 
     def __post_init__(self):
-        n = len(self.code)
+        n = len(self.steps)
         self.clock, self.busy, self.pc = [0.0] * n, [0.0] * n, [0] * n
         self.send_free, self.recv_free = [0.0] * n, [0.0] * n
         self.heap = [(0.0, d) for d in range(n)]
+        self.local_t0 = [0.0] * self.n_local
 
     def run(self) -> None:
         """Advance devices in global time order until every one has ended or stalled."""
@@ -283,26 +350,27 @@ class _PhaseWalk:
     def advance(self, d: int) -> None:
         """Run device ``d`` until its program ends, it stalls on a wait, or it
         reaches a send/receive that devices earlier in time must post before."""
-        c, i, now = self.code[d], self.pc[d], self.clock[d]
+        c, i, now = self.steps[d], self.pc[d], self.clock[d]
         while i < len(c):
-            row = c[i]
-            op = row[0]
-            if op in (SEND, RECV):
+            op, arg, dt = c[i]
+            if op == _LOCAL:
+                if self.record:
+                    self.local_t0[arg] = now
+                self.busy[d] += dt
+                now += dt
+            elif op == WAIT:
+                if arg not in self.end:  # stalled: woken by the message's second post
+                    self.clock[d], self.pc[d] = now, i
+                    self.waiting.setdefault(arg, []).append(d)
+                    return
+                if self.end[arg] > now:
+                    if self.record:
+                        self.ev_w.append((d, now, self.end[arg], arg))
+                    now = self.end[arg]
+            else:  # SEND / RECV
                 if now > self.clock[d] or (self.heap and self.heap[0][0] < now):
                     break  # let devices earlier in time post first
-                self.post(row[1], now)
-            elif op == WAIT:
-                t = row[1]
-                if t not in self.end:  # stalled: woken by the transfer's second post
-                    self.clock[d], self.pc[d] = now, i
-                    self.waiting.setdefault(t, []).append(d)
-                    return
-                if self.end[t] > now:
-                    if self.record:
-                        self.ev_w.append((d, now, self.end[t], t))
-                    now = self.end[t]
-            else:
-                now = self.local(d, row, now)
+                self.post(arg, now)
             i += 1
         else:
             self.clock[d], self.pc[d] = now, i
@@ -310,28 +378,15 @@ class _PhaseWalk:
         self.clock[d], self.pc[d] = now, i
         heapq.heappush(self.heap, (now, d))
 
-    def local(self, d: int, row: list, now: float) -> float:
-        """Run one instruction that needs no other device (a compute block, a merge or add); its end time."""
-        if row[0] in (ATTN, ATTN_BWD):
-            dt = self.cost[row[1]]
-            cb = row[1]
-        else:  # MERGE / ADD stream their bytes
-            dt = self.bufbytes[d][row[2]] * 3 / self.mem_bw
-            cb = -1
-        if self.record:
-            self.ev_c.append((d, now, now + dt, cb))
-        self.busy[d] += dt
-        return now + dt
-
     def post(self, t: int, now: float) -> None:
-        """One end of transfer ``t`` is posted at ``now``; the second post starts it."""
+        """One end of message ``t`` is posted at ``now``; the second post starts it."""
         if t not in self.posted:
             self.posted[t] = now
             return
         a, b = self.src[t], self.dst[t]
         ready = max(self.posted[t], now)
         # the sender's and the receiver's queues each serve their own
-        # transfers in turn; a transfer ends when the busier side is done
+        # messages in turn; a message ends when the busier side is done
         # (reserving both sides at the later start would leave idle gaps
         # that convoy through every link)
         self.send_free[a] = max(ready, self.send_free[a]) + self.dur[t]
@@ -346,19 +401,30 @@ class _PhaseWalk:
             self.pc[w] += 1
             heapq.heappush(self.heap, (self.clock[w], w))
 
-    def summary(self, phase: int) -> dict:
+    def summary(self, phase: int, st: _Steps) -> dict:
         """``finish_s``, ``compute_s``, ``makespan_s`` (and ``events`` when recording); DeadlockError if stalled."""
-        stalled = [d for d in range(len(self.code)) if self.pc[d] < len(self.code[d])]
+        stalled = [d for d in range(len(self.steps)) if self.pc[d] < len(self.steps[d])]
         if stalled:  # the verifier proves this cannot happen for emitted programs
             raise DeadlockError(f"simulation of {PHASES[phase]} stalled on devices {stalled}")
         out = {"finish_s": self.clock, "compute_s": self.busy, "makespan_s": max(self.clock) if self.clock else 0.0}
         if self.record:
             out["events"] = {
-                "compute": np.asarray(self.ev_c, float).reshape(-1, 4),
+                "compute": _local_events(st, np.asarray(self.local_t0, float)),
                 "transfer": np.asarray(self.ev_t, float).reshape(-1, 5),
                 "wait": np.asarray(self.ev_w, float).reshape(-1, 4),
             }
         return out
+
+
+def _local_events(st: _Steps, t0: np.ndarray) -> np.ndarray:
+    """Rows ``(device, start, end, cb)`` of every local instruction, from the
+    start time of its step and the seconds of the instructions before it in
+    the step."""
+    if not len(st.row_dur):
+        return np.zeros((0, 4))
+    before = np.concatenate([[0.0], np.cumsum(st.row_dur)[:-1]])  # exclusive running sum, all rows
+    start = t0[st.row_step] + (before - before[st.step_first][st.row_step])
+    return np.column_stack([st.row_dev.astype(float), start, start + st.row_dur, st.row_cb.astype(float)])
 
 
 def simulate(ir, prof: Profile, record: bool = False) -> dict:
@@ -366,29 +432,30 @@ def simulate(ir, prof: Profile, record: bool = False) -> dict:
 
     Each device has a compute stream (its instruction stream: compute blocks,
     merges) and a send and a receive queue. Devices advance in global time
-    order; a transfer is ready once both its ends are posted, takes ``alpha +
+    order; a message is ready once both its ends are posted, takes ``alpha +
     bytes / bandwidth`` of the link it crosses (intra- or inter-node) on the
-    sender's queue and on the receiver's queue, each serving its transfers in
+    sender's queue and on the receiver's queue, each serving its messages in
     the order they became ready, and ends when the later of the two is done;
     a ``wait`` stalls its device until then.
 
     Returns per phase ``finish_s`` and ``compute_s`` per device and the
     ``makespan_s``; ``predicted_s`` is forward + backward. With ``record``,
     each phase also has ``events``: ``compute`` rows ``(device, start, end,
-    cb)`` (merges/adds have cb = -1), ``transfer`` rows ``(tag, src, dst,
-    start, end)`` and ``wait`` rows ``(device, start, end, tag)`` for every
-    wait that left the device idle; times in seconds."""
+    cb)`` (merges/adds have cb = -1), ``transfer`` rows ``(message, src, dst,
+    start, end)`` and ``wait`` rows ``(device, start, end, message)`` for
+    every wait that left the device idle; times in seconds."""
     prof = get_profile(prof)
     g, prog = ir.graph, ir.program
     fwd_cost = cb_seconds(g, prof) / DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
-    X = prog.transfers
-    links = (X[:, T_SRC].tolist(), X[:, T_DST].tolist(), transfer_seconds(ir, prof).tolist())
+    M = prog.messages
+    links = (M[:, M_SRC].tolist(), M[:, M_DST].tolist(), message_seconds(ir, prof).tolist())
     result = {}
     for phase, factor in ((FWD, 1.0), (BWD, prof.bwd_factor)):
-        walk = _PhaseWalk([c.tolist() for c in prog.code[phase]], [b[:, BBYTES].tolist() for b in prog.buffers[phase]],
-                          (fwd_cost * factor).tolist(), *links, mem_bw=prof.mem_bw, record=record)
+        st = _steps(prog.code[phase], tuple(b[:, BBYTES] for b in prog.buffers[phase]), fwd_cost * factor,
+                    prof.mem_bw)
+        walk = _PhaseWalk(st.steps, *links, record=record, n_local=len(st.step_first))
         walk.run()
-        result[PHASES[phase]] = walk.summary(phase)
+        result[PHASES[phase]] = walk.summary(phase, st)
     result["predicted_s"] = result["fwd"]["makespan_s"] + result["bwd"]["makespan_s"]
     result["profile"] = asdict(prof)
     return result

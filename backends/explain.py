@@ -2,7 +2,8 @@
 
 Four paragraphs, numbers and names only: the most loaded device (or the one
 asked for) and why — its work against its tokens, the documents and compute
-blocks its work comes from; the largest transfers and the busiest link; the
+blocks its work comes from; the largest transfers (blocks moved) and the
+busiest link (bytes and messages); the
 stage with the longest exposed communication (waits charged to the stage of
 the compute block they delay, see :func:`attnplan.backends.timeline.exposed_by_stage`);
 and what the cost model predicts against the lower bound, with the device
@@ -167,7 +168,7 @@ def _busiest(d: dict, focus: int, one: bool) -> str:
         mat = np.where(keep, mat, 0)
     a, b = np.unravel_index(int(np.argmax(mat)), mat.shape)
     busiest = int(np.argmax(bars["comm_in"] + bars["comm_out"]))
-    return (f"  busiest link d{a}→d{b}: {_mb(mat[a, b])} in {d['comm']['count'][a, b]} transfers; "
+    return (f"  busiest link d{a}→d{b}: {_mb(mat[a, b])} in {d['comm']['count'][a, b]} messages; "
             f"busiest device d{busiest}: {_mb(bars['comm_in'][busiest] + bars['comm_out'][busiest])} in+out; "
             f"total {_mb(s['comm_bytes_total'])} (fwd {_mb(s['comm_bytes_fwd'])}, bwd {_mb(s['comm_bytes_bwd'])})")
 

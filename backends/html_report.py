@@ -74,7 +74,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("token imbalance", f"{s['token_imbalance']:.3f}"),
         ("comm total (fwd+bwd)", by(s["comm_bytes_total"])),
         ("comm max per device", by(s["comm_bytes_max"])),
-        ("transfers", f"{s['transfers']:,}"),
+        ("messages (blocks)", f"{s['messages']:,} ({s['transfers']:,})"),
         ("predicted", f"{s['predicted_s'] * 1e3:.3f} ms ({s['profile']})"),
         ("predicted fwd / bwd", f"{s['predicted_fwd_s'] * 1e3:.3f} / {s['predicted_bwd_s'] * 1e3:.3f} ms"),
         ("lower bound", f"{s['lower_bound_s'] * 1e3:.3f} ms"),
@@ -126,7 +126,7 @@ def _legend(stages: int) -> str:
     sw = [(STAGE_COLOURS[s % len(STAGE_COLOURS)], f"compute, stage {s}") for s in range(min(stages, 9))]
     if stages > 9:
         sw.append(("#fff", f"… {stages} stages (colours repeat)"))
-    sw += [(MERGE_COLOUR, "merge/add of partials"), (WAIT_COLOUR, "waiting on a transfer"),
+    sw += [(MERGE_COLOUR, "merge/add of partials"), (WAIT_COLOUR, "waiting on a message"),
            (SEND_COLOUR, "sending (thin, upper)"), (RECV_COLOUR, "receiving (thin, lower)")]
     return "<div class='legend'>" + "".join(
         f"<span><i style='background:{c}'></i>{html.escape(t)}</span>" for c, t in sw) + "</div>"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
-from ..ir.program import BBYTES, BWD, FWD, T_BYTES, T_DST, T_PHASE, T_SRC
+from ..ir.program import BBYTES, BWD, FWD, M_DST, M_SRC, T_BYTES, T_DST, T_PHASE, T_SRC
 from .cost import Profile, simulate
 from .stats import compute_stats
 from .timeline import plan_profile, timeline
@@ -133,7 +133,7 @@ def mask_cells(plan, max_bins: int = 160) -> dict:
 
 def comm_matrix(plan) -> dict:
     """Bytes moved from device (row) to device (column): ``fwd``, ``bwd`` (int64
-    ``[n, n]``) and ``count`` (transfers, both phases)."""
+    ``[n, n]``) and ``count`` (messages, both phases)."""
     prog = plan.ir.program
     n = plan.ir.devices
     X = prog.transfers
@@ -143,7 +143,8 @@ def comm_matrix(plan) -> dict:
     mat = {}
     for name, sel in (("fwd", fwd), ("bwd", ~fwd)):
         mat[name] = np.bincount(flat[sel], weights=nb[sel], minlength=n * n).astype(np.int64).reshape(n, n)
-    mat["count"] = np.bincount(flat, minlength=n * n).astype(np.int64).reshape(n, n)
+    M = prog.messages
+    mat["count"] = np.bincount(M[:, M_SRC] * n + M[:, M_DST], minlength=n * n).astype(np.int64).reshape(n, n)
     return mat
 
 

@@ -1,7 +1,11 @@
 """The plan file: ``MAGIC | version u16 | flags u16 | body length u64 |
 sha256(body) | body``, where the body is zlib-compressed msgpack of plain
 maps, lists, numbers, strings and array records (column-wise
-differences, :func:`_arr`). Nothing is ever unpickled.
+differences, :func:`_arr`). Nothing is ever unpickled. The program's
+derived fields (sizes, the message table's routes and ranges) are stored as
+residuals against what the reader derives, and transfer rows in block order
+(:mod:`.planfile_schema`): emitted programs store zeros there, and every
+program round-trips exactly.
 
 The file is a pure function of the compile inputs: it holds the IR and the
 plan's metadata (pipeline, strategy, block size, builtin cost profile, auto's
@@ -38,8 +42,9 @@ from . import planfile_schema as schema
 from .cost import PROFILES
 
 MAGIC = b"ATTNPLAN"
-FORMAT_VERSION = 2  # the version written: array records delta-encoded by column
-READ_VERSIONS = (1, 2)  # 1: raw row-major array records (no "enc")
+FORMAT_VERSION = 3  # the version written: coalesced messages (a message table; send/recv/wait name messages)
+READ_VERSIONS = (3,)  # records may be delta-encoded by column ("enc") or raw row-major (no "enc")
+_OLD_PROGRAMS = (1, 2)  # one transfer per send/recv: such plans must be compiled again
 _HEADER = struct.Struct("<8sHHQ32s")
 _CHUNK = 1 << 20  # inflate step while counting the body's size
 _ZLIB_LEVEL = 1  # level 6 is 4.8x slower for <1% smaller files (130 MB body: 10.8 s vs 2.3 s, 16.46 vs 16.52 MB)
@@ -89,8 +94,10 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
         "graph": {f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
         "placement": {"home": _arr(pl.home), "cb_device": _arr(pl.cb_device)},
         "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap},
-        "program": {"transfers": _arr(prog.transfers),
-                    "buffers": [[_arr(b) for b in ph] for ph in prog.buffers],
+        "program": {"transfers": _arr(schema.transfers_body(g, prog.transfers)),
+                    "messages": _arr(schema.messages_body(prog.transfers, prog.messages)),
+                    "buffers": [[_arr(schema.buffers_body(g, ph, b)) for b in bufs]
+                                for ph, bufs in enumerate(prog.buffers)],
                     "code": [[_arr(c) for c in ph] for ph in prog.code]},
         "meta": file_meta(meta),
     }
@@ -119,6 +126,10 @@ def _check_header(head: bytes, source: str) -> tuple[int, bytes]:
     magic, version, flags, length, digest = _HEADER.unpack_from(head)
     if magic != MAGIC:
         raise PlanFileError(f"{source}: not an attnplan plan file (bad magic)")
+    if version in _OLD_PROGRAMS:
+        raise PlanFileError(f"{source}: plan file format version {version} sends every block as its own message; "
+                            f"this attnplan reads version {FORMAT_VERSION} (coalesced messages): compile the plan "
+                            f"again")
     if version not in READ_VERSIONS:
         raise PlanFileError(f"{source}: plan file format version {version}; "
                             f"this attnplan reads versions {', '.join(map(str, READ_VERSIONS))}")

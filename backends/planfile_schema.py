@@ -9,6 +9,14 @@ counts, the dtype, the opcodes each phase may hold and the operand ids of
 every instruction. Only then is the IR
 built and handed to the verifier. Every failure is a :class:`PlanFileError`
 naming the field (the caller adds the file name).
+
+The program's derived fields are stored as *residuals* against what this
+module derives from the rest (:func:`derived_transfer_bytes`,
+:func:`derived_buffer_bytes`, :func:`derived_messages`): all zeros for an
+emitted program, so they cost next to nothing, and any program — a valid
+one or not — round-trips exactly. Transfer rows are stored in (phase, kind,
+tb, hg, src, dst) order, which compresses far better than the message order
+of the program, each with its row index in the program (:data:`FILE_ORDER`).
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from ..ir.mask import Pieces
 from ..ir.module import PlanIR
 from ..ir.placement import Placement
 from ..ir.problem import DTYPE_BYTES, Problem
-from ..ir.program import ADD, ATTN, ATTN_BWD, B_DKV, MERGE, OPS, PART, PHASES, RECV, SEND, WAIT, Program
+from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, BBYTES, BHG, BK, BTB, KINDS, M_BYTES, M_COLS, M_DST, M_END,
+                          M_ID, M_PHASE, M_SRC, M_START, MERGE, OPS, PART, PHASES, RECV, SEND, T_BYTES, T_COLS, T_DST,
+                          T_HG, T_KIND, T_PHASE, T_RBUF, T_SBUF, T_SRC, T_TAG, T_TB, WAIT, Program, buffer_bytes)
 from ..ir.schedule import Schedule
 from ..ir.segments import check_segments
 from .cost import PROFILES
@@ -37,14 +47,14 @@ BODY_KEYS = frozenset({"problem", "devices", "nodes", "memory_cap", "graph", "pl
 LEGACY_KEYS = frozenset({"measured"})  # written by older versions (compile wall time); ignored
 _ARRAY_DTYPES = {"<i4": 4, "<i8": 8}
 
-# what each instruction operand names: 0 unused (must be 0), 1 transfer tag, 2 device, 3 buffer, 4 compute block
-_Z, _TAG, _DEV, _BUF, _CB = range(5)
+# what each instruction operand names: 0 unused (must be 0), 1 message, 2 device, 3 buffer, 4 compute block
+_Z, _MSG, _DEV, _BUF, _CB = range(5)
 _OPERAND_KINDS = np.zeros((len(OPS), 5), np.int64)
-for _op, _kinds in ((RECV, (_TAG, _DEV, _BUF)), (SEND, (_TAG, _DEV, _BUF)), (WAIT, (_TAG,)),
+for _op, _kinds in ((RECV, (_MSG, _DEV)), (SEND, (_MSG, _DEV)), (WAIT, (_MSG,)),
                     (ATTN, (_CB, _BUF, _BUF, _BUF)), (MERGE, (_BUF, _BUF)), (ATTN_BWD, (_CB, _BUF, _BUF, _BUF, _BUF)),
                     (ADD, (_BUF, _BUF))):
     _OPERAND_KINDS[_op, :len(_kinds)] = _kinds
-_OPERAND_NAMES = ("unused", "transfer tag", "device", "buffer", "compute block")
+_OPERAND_NAMES = ("unused", "message", "device", "buffer", "compute block")
 # the opcodes each phase may hold: the runner has no backward attn in the forward phase and no forward one after
 _PHASE_OPS = ((RECV, SEND, WAIT, ATTN, MERGE), (RECV, SEND, WAIT, ATTN_BWD, ADD))
 
@@ -271,6 +281,55 @@ def _per_device(pr, key: str, devices: int) -> list:
     return v
 
 
+# ------------------------------------------------------------------ derived fields (stored as residuals)
+
+# the order of transfer rows in a file: by phase, kind, tb, hg, src, dst (np.lexsort keys, last is primary)
+FILE_ORDER = (T_DST, T_SRC, T_HG, T_TB, T_KIND, T_PHASE)
+
+
+def canonical_bytes_of(g: BlockGraph, phase: np.ndarray, kind: np.ndarray, tb: np.ndarray,
+                       hg: np.ndarray) -> np.ndarray:
+    """:func:`~attnplan.ir.program.buffer_bytes` of every row (0 where phase,
+    kind, tb or hg is out of range): what the verifier requires."""
+    out = np.zeros(len(kind), np.int64)
+    ok = (tb >= 0) & (tb < g.n_tb) & (hg >= 0) & (hg < g.n_hg)
+    for ph in (0, 1):
+        for k in range(len(KINDS)):
+            sel = np.flatnonzero(ok & (phase == ph) & (kind == k))
+            if len(sel):
+                out[sel] = buffer_bytes(g, ph, k, tb[sel], hg[sel])
+    return out
+
+
+def derived_transfer_bytes(g: BlockGraph, X: np.ndarray) -> np.ndarray:
+    return canonical_bytes_of(g, X[:, T_PHASE], X[:, T_KIND], X[:, T_TB], X[:, T_HG])
+
+
+def derived_buffer_bytes(g: BlockGraph, phase: int, B: np.ndarray) -> np.ndarray:
+    return canonical_bytes_of(g, np.full(len(B), phase), B[:, BK], B[:, BTB], B[:, BHG])
+
+
+def derived_messages(X: np.ndarray, end: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
+    """The message table a CSR index ``end`` of the transfer table ``X``
+    implies: ids 0..m-1, each message starting where the previous ended,
+    with the route (phase, src, dst) of its first transfer and its
+    transfers' bytes summed (ranges clipped to the table). ``start``, when
+    given, replaces the implied starts for the route and the bytes."""
+    m, n = len(end), len(X)
+    out = np.zeros((m, M_COLS), np.int64)
+    out[:, M_ID] = np.arange(m)
+    out[:, M_START] = np.concatenate([[0], end[:-1]]) if m else 0
+    out[:, M_END] = end
+    st = out[:, M_START] if start is None else start
+    if m and n:
+        first = np.clip(st, 0, n - 1)
+        out[:, M_PHASE], out[:, M_SRC], out[:, M_DST] = X[first, T_PHASE], X[first, T_SRC], X[first, T_DST]
+        with np.errstate(over="ignore"):
+            total = np.concatenate([[0], np.cumsum(X[:, T_BYTES])])
+            out[:, M_BYTES] = total[np.clip(end, 0, n)] - total[np.clip(st, 0, n)]
+    return out
+
+
 def _buffers(recs: list, g: BlockGraph, devices: int) -> tuple:
     out = []
     for ph, phase in enumerate(recs):
@@ -279,14 +338,17 @@ def _buffers(recs: list, g: BlockGraph, devices: int) -> tuple:
             name = f"program.buffers[{ph}][{d}]"
             b = record(rec, name, cols=6)
             columns_in_range(b, {0: ("kind", 0, B_DKV), 1: ("tb", 0, g.n_tb - 1), 2: ("hg", 0, g.n_hg - 1),
-                                 3: ("role", 0, PART), 4: ("peer", -1, devices - 1), 5: ("bytes", 0, BIG)}, name)
+                                 3: ("role", 0, PART), 4: ("peer", -1, devices - 1)}, name)
+            with np.errstate(over="ignore"):
+                b[:, BBYTES] += derived_buffer_bytes(g, ph, b)  # stored: the residual
+            in_range(b[:, BBYTES], 0, BIG, f"{name}[:, bytes]")
             row.append(b)
         out.append(tuple(row))
     return tuple(out)
 
 
 def _check_operands(c: np.ndarray, hi_of_kind: np.ndarray, name: str) -> None:
-    """Every operand names an existing transfer, device, buffer or compute block; unused ones are 0."""
+    """Every operand names an existing message, device, buffer or compute block; unused ones are 0."""
     kinds = _OPERAND_KINDS[c[:, 0]]  # [n, 5]
     hi = hi_of_kind[kinds]  # the unused kind's bound is 0: operands beyond the arity must be 0
     bad = (c[:, 1:] < 0) | (c[:, 1:] > hi)
@@ -296,7 +358,7 @@ def _check_operands(c: np.ndarray, hi_of_kind: np.ndarray, name: str) -> None:
              f"{_OPERAND_NAMES[kinds[i, j]]} (allowed 0..{int(hi[i, j])})")
 
 
-def _code(recs: list, buffers: tuple, g: BlockGraph, devices: int, n_transfers: int) -> tuple:
+def _code(recs: list, buffers: tuple, g: BlockGraph, devices: int, n_messages: int) -> tuple:
     total = 0
     out = []
     for ph, phase in enumerate(recs):
@@ -310,22 +372,108 @@ def _code(recs: list, buffers: tuple, g: BlockGraph, devices: int, n_transfers: 
             if len(wrong):
                 i = int(wrong[0])
                 fail(f"{name} instruction {i}: {OPS[c[i, 0]]} is not a {PHASES[ph]} instruction")
-            hi = np.array([0, n_transfers - 1, devices - 1, len(buffers[ph][d]) - 1, g.n_cb - 1], np.int64)
+            hi = np.array([0, n_messages - 1, devices - 1, len(buffers[ph][d]) - 1, g.n_cb - 1], np.int64)
             _check_operands(c, hi, name)
             row.append(c)
         out.append(tuple(row))
     return tuple(out)
 
 
+def _transfer_buffers(transfers: np.ndarray, buffers: tuple) -> None:
+    """Every transfer's source buffer exists on its source and its receive
+    buffer on its destination, in the transfer's phase."""
+    nb = np.array([[len(b) for b in ph] for ph in buffers], np.int64)  # [phase, device]
+    for col, dev, cname in ((T_SBUF, T_SRC, "sbuf"), (T_RBUF, T_DST, "rbuf")):
+        hi = nb[transfers[:, T_PHASE], transfers[:, dev]] - 1
+        bad = np.flatnonzero(transfers[:, col] > hi)
+        if len(bad):
+            i = int(bad[0])
+            fail(f"program.transfers[:, {cname}][{i}] = {int(transfers[i, col])} names no buffer of device "
+                 f"{int(transfers[i, dev])} (it has {int(hi[i]) + 1} in {PHASES[transfers[i, T_PHASE]]})")
+
+
+FILE_TRANSFER_COLS = T_COLS + 1  # the row index, then the program's columns (tag and bytes as residuals)
+
+
+def transfers_body(g: BlockGraph, X: np.ndarray) -> np.ndarray:
+    """The transfer record of a file: every row ``(row, tag - row, phase,
+    kind, tb, hg, src, dst, bytes - canonical bytes, sbuf, rbuf)`` in
+    :data:`FILE_ORDER` (the inverse of :func:`_transfers`)."""
+    order = np.lexsort(tuple(X[:, c] for c in FILE_ORDER)) if len(X) else np.zeros(0, np.int64)
+    out = np.empty((len(X), FILE_TRANSFER_COLS), np.int64)
+    out[:, 0] = order
+    out[:, 1:] = X[order]
+    with np.errstate(over="ignore"):
+        out[:, 1 + T_TAG] -= order
+        out[:, 1 + T_BYTES] -= derived_transfer_bytes(g, X[order])
+    return out
+
+
+def _transfers(pr, g: BlockGraph, devices: int) -> np.ndarray:
+    """The transfer table from its record (see :func:`transfers_body`)."""
+    rows = array(pr, "transfers", "program", cols=FILE_TRANSFER_COLS, max_len=L.MAX_TRANSFERS, limit="MAX_TRANSFERS")
+    n = len(rows)
+    at = rows[:, 0]
+    in_range(at, 0, n - 1, "program.transfers[:, row]")
+    if n and np.bincount(at, minlength=n).max() > 1:
+        fail(f"program.transfers: row {int(np.argmax(np.bincount(at, minlength=n) > 1))} is stored twice")
+    X = np.empty((n, T_COLS), np.int64)
+    X[at] = rows[:, 1:]
+    columns_in_range(X, {T_PHASE: ("phase", 0, 1), T_KIND: ("kind", 0, B_DKV), T_TB: ("tb", 0, g.n_tb - 1),
+                         T_HG: ("hg", 0, g.n_hg - 1), T_SRC: ("src", 0, devices - 1), T_DST: ("dst", 0, devices - 1),
+                         T_SBUF: ("sbuf", 0, BIG), T_RBUF: ("rbuf", 0, BIG)}, "program.transfers")
+    with np.errstate(over="ignore"):
+        X[:, T_TAG] += np.arange(n)
+        X[:, T_BYTES] += derived_transfer_bytes(g, X)
+    columns_in_range(X, {T_TAG: ("tag", 0, n - 1), T_BYTES: ("bytes", 0, BIG)}, "program.transfers")
+    return X
+
+
+def messages_body(X: np.ndarray, M: np.ndarray) -> np.ndarray:
+    """The message record of a file: the table less what :func:`derived_messages`
+    derives from its ``end`` column (stored as it is)."""
+    implied = derived_messages(X, M[:, M_END])[:, M_START]  # where each message would start
+    with np.errstate(over="ignore"):
+        out = M - derived_messages(X, M[:, M_END], M[:, M_START])  # id, route and bytes
+        out[:, M_START] = M[:, M_START] - implied
+    out[:, M_END] = M[:, M_END]
+    return out
+
+
+def _messages(pr, X: np.ndarray, devices: int) -> np.ndarray:
+    """The message table from its record (see :func:`messages_body`)."""
+    n = len(X)
+    # a message carries at least one transfer: never more messages than transfers
+    R = array(pr, "messages", "program", cols=M_COLS, max_len=n, limit="one transfer at least each")
+    in_range(R[:, M_END], 0, n, "program.messages[:, end]")
+    M = R.copy()
+    with np.errstate(over="ignore"):
+        M[:, M_START] += derived_messages(X, R[:, M_END])[:, M_START]
+        in_range(M[:, M_START], 0, n, "program.messages[:, start]")
+        D = derived_messages(X, R[:, M_END], M[:, M_START])
+        for c in (M_ID, M_PHASE, M_SRC, M_DST, M_BYTES):
+            M[:, c] += D[:, c]
+    columns_in_range(M, {M_ID: ("id", 0, len(M) - 1), M_PHASE: ("phase", 0, 1), M_SRC: ("src", 0, devices - 1),
+                         M_DST: ("dst", 0, devices - 1), M_BYTES: ("bytes", 0, BIG)}, "program.messages")
+    return M
+
+
+def buffers_body(g: BlockGraph, phase: int, B: np.ndarray) -> np.ndarray:
+    """A buffer table's record: its bytes column as the residual against the canonical sizes."""
+    out = np.array(B, np.int64)
+    with np.errstate(over="ignore"):
+        out[:, BBYTES] -= derived_buffer_bytes(g, phase, out)
+    return out
+
+
 def program(pr, g: BlockGraph, devices: int) -> Program:
-    transfers = array(pr, "transfers", "program", cols=8)
-    columns_in_range(transfers, {0: ("tag", 0, len(transfers) - 1), 1: ("phase", 0, 1), 2: ("kind", 0, B_DKV),
-                                 3: ("tb", 0, g.n_tb - 1), 4: ("hg", 0, g.n_hg - 1), 5: ("src", 0, devices - 1),
-                                 6: ("dst", 0, devices - 1), 7: ("bytes", 0, BIG)}, "program.transfers")
+    X = _transfers(pr, g, devices)
+    messages = _messages(pr, X, devices)
     bufs = _per_device(pr, "buffers", devices)
     code = _per_device(pr, "code", devices)
     buffers = _buffers(bufs, g, devices)
-    return Program(devices, transfers, buffers, _code(code, buffers, g, devices, len(transfers)))
+    _transfer_buffers(X, buffers)
+    return Program(devices, X, buffers, _code(code, buffers, g, devices, len(messages)), messages)
 
 
 def memory_cap(body) -> int | None:

@@ -5,6 +5,10 @@
 * token_imbalance: max tokens homed on a device / mean.
 * comm bytes: every transfer once, forward and backward; a device's traffic
   is what it receives plus what it sends; ``comm_bytes_max`` is the largest.
+* messages: what travels on the wire — one per (source, destination, phase,
+  stage), carrying the blocks (``transfers``) that move together; each pays
+  one latency in the cost model. ``messages_max``: the most a device sends
+  plus receives.
 * lower_bound_s: forward+backward attention FLOPs / (devices × effective
   peak): perfect balance, no exposed communication, same profile as
   ``predicted_s`` so that predicted / lower bound = 1 means perfect.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir.program import BBYTES, BWD, FWD, T_BYTES, T_DST, T_PHASE, T_SRC
+from ..ir.program import BBYTES, BWD, FWD, M_DST, M_PHASE, M_SRC, T_BYTES, T_DST, T_PHASE, T_SRC
 from .cost import Profile, get_profile, rounded_pairs, simulate
 
 
@@ -46,15 +50,20 @@ def _per_device(ir) -> dict:
 
 
 def _comm_totals(ir, dev: dict) -> dict:
-    X = ir.program.transfers
+    X, M = ir.program.transfers, ir.program.messages
     nb = X[:, T_BYTES].astype(float)
     fwd = X[:, T_PHASE] == FWD
+    per_dev = np.bincount(M[:, M_SRC], minlength=ir.devices) + np.bincount(M[:, M_DST], minlength=ir.devices)
     return {
         "comm_bytes_total": int(nb.sum()),
         "comm_bytes_fwd": int(nb[fwd].sum()),
         "comm_bytes_bwd": int(nb[~fwd].sum()),
         "comm_bytes_max": int((dev["comm_in"] + dev["comm_out"]).max()) if ir.devices else 0,
         "transfers": int(len(X)),
+        "messages": int(len(M)),
+        "messages_fwd": int((M[:, M_PHASE] == FWD).sum()),
+        "messages_bwd": int((M[:, M_PHASE] == BWD).sum()),
+        "messages_max": int(per_dev.max()) if ir.devices else 0,
     }
 
 
@@ -131,7 +140,8 @@ def format_stats(s: dict) -> str:
         ("flops fwd", f"{s['flops_fwd']:.3e}"),
         ("compute imbalance", f"{s['compute_imbalance']:.3f}"),
         ("token imbalance", f"{s['token_imbalance']:.3f}"),
-        ("comm total (fwd+bwd)", gb(s["comm_bytes_total"])),
+        ("comm total (fwd+bwd)", f"{gb(s['comm_bytes_total'])} in {s['messages']:,} messages "
+                                 f"({s['transfers']:,} blocks)"),
         ("comm max per device", gb(s["comm_bytes_max"])),
         ("predicted", f"{s['predicted_s'] * 1e3:.3f} ms ({s['profile']})"),
         ("lower bound", f"{s['lower_bound_s'] * 1e3:.3f} ms"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
-from ..ir.program import T_BYTES, T_DST, T_KIND, T_SRC, T_TB
+from ..ir.program import M_BYTES, M_DST, M_END, M_SRC, M_START, T_KIND, T_TB
 from .cost import Profile, resolve_profile, simulate
 
 # timeline lanes
@@ -62,9 +62,23 @@ def _merge_spans(cols: tuple, eps: float) -> dict:
     }
 
 
+def message_blocks(prog) -> tuple[np.ndarray, np.ndarray]:
+    """Per message: the kind of the blocks it carries (-1: several kinds) and
+    its token block (-1: more than one block)."""
+    M, X = prog.messages, prog.transfers
+    if not len(M):
+        z = np.zeros(0, np.int64)
+        return z, z
+    start, count = M[:, M_START], M[:, M_END] - M[:, M_START]
+    kmin, kmax = np.minimum.reduceat(X[:, T_KIND], start), np.maximum.reduceat(X[:, T_KIND], start)
+    return np.where(kmin == kmax, kmin, -1), np.where(count == 1, X[start, T_TB], -1)
+
+
 def _lane_events(plan, ev: dict, stage_of_cb: np.ndarray) -> list[tuple]:
-    """The events of one phase as lane columns ``(lane, dev, t0, t1, key, id, bytes, peer, kind, tb)``."""
-    X = plan.ir.program.transfers
+    """The events of one phase as lane columns ``(lane, dev, t0, t1, key, id, bytes, peer, kind, tb)``
+    (``id``: the compute block, or the message)."""
+    M = plan.ir.program.messages
+    kind, tb = message_blocks(plan.ir.program)
     C, R, W = ev["compute"], ev["transfer"], ev["wait"]
     lanes = []
     cb = C[:, 3].astype(np.int64)
@@ -73,15 +87,15 @@ def _lane_events(plan, ev: dict, stage_of_cb: np.ndarray) -> list[tuple]:
     lanes.append((L_COMPUTE, C[:, 0].astype(np.int64), C[:, 1], C[:, 2], stg, cb, zc, zc - 1, zc - 1, zc - 1))
     wt = W[:, 3].astype(np.int64)
     wd = W[:, 0].astype(np.int64)
-    wsrc, wdst = X[wt, T_SRC], X[wt, T_DST]
+    wsrc, wdst = M[wt, M_SRC], M[wt, M_DST]
     zw = np.zeros(len(W), np.int64)
-    lanes.append((L_WAIT, wd, W[:, 1], W[:, 2], zw, wt, X[wt, T_BYTES], np.where(wsrc == wd, wdst, wsrc),
-                  X[wt, T_KIND], X[wt, T_TB]))
+    lanes.append((L_WAIT, wd, W[:, 1], W[:, 2], zw, wt, M[wt, M_BYTES], np.where(wsrc == wd, wdst, wsrc),
+                  kind[wt], tb[wt]))
     tt = R[:, 0].astype(np.int64)
     src, dst = R[:, 1].astype(np.int64), R[:, 2].astype(np.int64)
     zt = np.zeros(len(R), np.int64)
     for lane, d, peer in ((L_SEND, src, dst), (L_RECV, dst, src)):
-        lanes.append((lane, d, R[:, 3], R[:, 4], zt, tt, X[tt, T_BYTES], peer, X[tt, T_KIND], X[tt, T_TB]))
+        lanes.append((lane, d, R[:, 3], R[:, 4], zt, tt, M[tt, M_BYTES], peer, kind[tt], tb[tt]))
     return lanes
 
 
@@ -162,7 +176,7 @@ def timeline(plan, profile=None, max_spans: int = 20000, columns: int = 1600, si
     """The simulated timeline per phase (``fwd``, ``bwd``): merged ``spans``
     (columns ``lane, dev, t0, t1, n, busy, key, a, b, bytes, peer, kind, tb``;
     ``key`` is the stage of compute spans, -1 for merges/adds; ``a``/``b`` the
-    first/last compute block or transfer tag), ``eps_s`` (the merge step),
+    first/last compute block or message), ``eps_s`` (the merge step),
     ``makespan_s``, per-device ``finish_s``, ``compute_s``, ``wait_s``, the
     ``events`` counts, ``exposed`` (see :func:`exposed_by_stage`) and
     ``stages``. ``profile``: the caller's (name, FILE.json or Profile), else

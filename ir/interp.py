@@ -1,23 +1,23 @@
-"""The one semantics of walking programs: rendezvous transfers.
+"""The one semantics of walking programs: rendezvous messages.
 
 ``send`` and ``recv`` only post; a ``wait`` passes once both sides of its
-transfer are posted; nothing else blocks. Two ways to use it:
+message are posted; nothing else blocks. Two ways to use it:
 
 * :func:`cooperate` runs every device's stream in one process, calling a
   handler per instruction in an order every real transport could also take
   (the simulator and the in-process executor). It is event driven: a device
-  runs until it reaches a ``wait`` whose transfer is not complete, and is
+  runs until it reaches a ``wait`` whose message is not complete, and is
   resumed when the post that completes it happens, so the walk costs one step
   per instruction, not per device and round.
 * :func:`check_deadlock_free` proves without running anything that the walk
   finishes (the verifier): the waits form a graph in which a wait depends on
   the previous wait of its device and on the last wait before each of the two
-  posts of its transfer; the walk finishes exactly when that graph has no
-  cycle (and every waited transfer is posted). Cost: a few numpy passes and
+  posts of its message; the walk finishes exactly when that graph has no
+  cycle (and every waited message is posted). Cost: a few numpy passes and
   one strongly-connected-components call, linear in the instructions.
 
 Either way a deadlock raises :class:`DeadlockError` naming every blocked
-device, the transfer it waits on and which of its sides were posted.
+device, the message it waits on and which of its sides were posted.
 """
 
 from __future__ import annotations
@@ -31,30 +31,39 @@ from ..errors import DeadlockError
 from .program import (
     A1,
     KINDS,
+    M_DST,
+    M_END,
+    M_PHASE,
+    M_SRC,
+    M_START,
     OP,
     PHASES,
     RECV,
     SEND,
-    T_DST,
     T_HG,
     T_KIND,
-    T_PHASE,
-    T_SRC,
     T_TB,
     WAIT,
     Program,
 )
 
 
-def transfer_key(program: Program, tag: int) -> str:
-    t = program.transfers[tag]
-    return (f"t{tag} {PHASES[t[T_PHASE]]} {KINDS[t[T_KIND]]}[tb{t[T_TB]},hg{t[T_HG]}] "
-            f"d{t[T_SRC]}->d{t[T_DST]}")
+def message_key(program: Program, msg: int) -> str:
+    """``m3 fwd d0->d1 (2 blocks: KV[tb4,hg0], ...)``: a message and what it carries."""
+    m = program.messages[msg]
+    start, end = int(m[M_START]), int(m[M_END])
+    blocks = ""
+    if 0 <= start < end <= len(program.transfers):
+        t = program.transfers[start]
+        name = f"{KINDS[t[T_KIND]] if 0 <= t[T_KIND] < len(KINDS) else t[T_KIND]}[tb{t[T_TB]},hg{t[T_HG]}]"
+        blocks = f" ({end - start} block{'s' if end - start > 1 else ''}: {name}{', ...' if end - start > 1 else ''})"
+    phase = PHASES[m[M_PHASE]] if 0 <= m[M_PHASE] < len(PHASES) else f"phase {m[M_PHASE]}"
+    return f"m{msg} {phase} d{m[M_SRC]}->d{m[M_DST]}{blocks}"
 
 
 def _deadlock(program: Program, phase: int, blocked: list) -> DeadlockError:
-    """``blocked``: (device, tag, send posted, recv posted) of every device that cannot go on."""
-    parts = [f"device {d} waits on {transfer_key(program, t)} (send {'posted' if s else 'not posted'}, "
+    """``blocked``: (device, message, send posted, recv posted) of every device that cannot go on."""
+    parts = [f"device {d} waits on {message_key(program, t)} (send {'posted' if s else 'not posted'}, "
              f"recv {'posted' if r else 'not posted'})" for d, t, s, r in blocked]
     return DeadlockError(f"deadlock in {PHASES[phase]}: " + "; ".join(parts))
 
@@ -65,9 +74,9 @@ def cooperate(program: Program, phase: int, on_instr: Callable[[int, int, list],
     ``code`` replaces the program's streams."""
     code = [c.tolist() for c in (program.code[phase] if code is None else code)]
     n = len(code)
-    ntags = len(program.transfers)
-    sent, recvd = bytearray(ntags), bytearray(ntags)  # sides posted of every transfer
-    waiting: dict[int, list[int]] = {}                # tag -> devices blocked on it
+    ntags = len(program.messages)
+    sent, recvd = bytearray(ntags), bytearray(ntags)  # sides posted of every message
+    waiting: dict[int, list[int]] = {}                # message -> devices blocked on it
     pc = [0] * n
     ready = deque(range(n))
     op_, tag_, wait_, send_, recv_ = OP, A1, WAIT, SEND, RECV  # locals: this loop runs once per instruction
@@ -105,7 +114,7 @@ def cooperate(program: Program, phase: int, on_instr: Callable[[int, int, list],
 
 # ---------------------------------------------------------------------------- static proof
 
-SIDE_SEND, SIDE_RECV = 0, 1  # the two posts of a transfer (columns of the gate table)
+SIDE_SEND, SIDE_RECV = 0, 1  # the two posts of a message (columns of the gate table)
 
 def _flatten(code: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """All streams as columns: (opcode, first operand, device, first row of each device)."""
@@ -118,11 +127,11 @@ def _flatten(code: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
 
 def _post_gates(op: np.ndarray, tag: np.ndarray, dev: np.ndarray, start: np.ndarray,
                 ntags: int) -> tuple[np.ndarray, np.ndarray]:
-    """Wait rows and, per transfer, the wait each of its posts comes after.
+    """Wait rows and, per message, the wait each of its posts comes after.
 
     Waits are numbered in stream order (device by device). The *gate* of a
     post is the last wait before it on its device (−1: none, it is posted at
-    once; −2: the transfer has no such post)."""
+    once; −2: the message has no such post)."""
     is_wait = op == WAIT
     before = np.cumsum(is_wait) - is_wait               # waits strictly before each row, all devices
     gate = before - 1
@@ -136,7 +145,7 @@ def _post_gates(op: np.ndarray, tag: np.ndarray, dev: np.ndarray, start: np.ndar
 
 def _blocked_waits(wait_tag: np.ndarray, wait_dev: np.ndarray, gates: np.ndarray) -> np.ndarray:
     """Which waits can never pass: those on a cycle of the wait graph, those
-    whose transfer misses a post, and everything after them."""
+    whose message misses a post, and everything after them."""
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import breadth_first_order, connected_components
 
@@ -148,7 +157,7 @@ def _blocked_waits(wait_tag: np.ndarray, wait_dev: np.ndarray, gates: np.ndarray
     src = np.concatenate([chain, g[s0, SIDE_SEND], g[s1, SIDE_RECV]])
     dst = np.concatenate([chain + 1, s0, s1])
     root = (g == -2).any(1)                                 # a post that never happens
-    root[src[src == dst]] = True                            # a wait that gates its own transfer's post
+    root[src[src == dst]] = True                            # a wait that gates its own message's post
     graph = csr_matrix((np.ones(len(src), np.int8), (src, dst)), shape=(n + 1, n + 1))
     _, label = connected_components(graph, directed=True, connection="strong")
     root |= (np.bincount(label)[label] > 1)[:n]             # on a cycle
@@ -166,13 +175,13 @@ def _blocked_waits(wait_tag: np.ndarray, wait_dev: np.ndarray, gates: np.ndarray
 def check_deadlock_free(program: Program, phase: int, code=None, streams=None) -> None:
     """Raise :class:`DeadlockError` (the message :func:`cooperate` would give)
     unless every device's ``phase`` stream runs to its end under rendezvous
-    semantics. Transfer tags in the streams must be in range. ``code``
+    semantics. Message ids in the streams must be in range. ``code``
     replaces the program's streams; ``streams`` gives them already as columns
     (opcode, first operand, device, first row of each device)."""
     if streams is None:
         streams = _flatten(list(program.code[phase] if code is None else code))
     op, tag, dev, start = streams
-    waits, gates = _post_gates(op, tag, dev, start, len(program.transfers))
+    waits, gates = _post_gates(op, tag, dev, start, len(program.messages))
     if not len(waits):
         return
     blocked = _blocked_waits(tag[waits], dev[waits], gates)

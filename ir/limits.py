@@ -11,8 +11,8 @@ MAX_TOKENS = 1 << 26            # tokens in one batch (67,108,864; issue 9 plans
 MAX_SAMPLES = 1 << 20           # samples (documents) in one batch
 MAX_SEGMENTS = 1 << 22          # segments of all samples of one batch (batch files, plan files)
 MAX_DEVICES = 256               # devices of one attention plan (CP group); issue 9 plans up to 256. Ring
-                                # traffic is N^2 per-block messages today: 1000 devices on 500 tokens made 4.9M
-                                # instructions (40 s to plan, 42 s stats, >300 s run --check)
+                                # traffic moves N^2 blocks (one message per peer and stage; before coalescing,
+                                # 1000 devices on 500 tokens made 4.9M instructions: 40 s to plan, 42 s stats)
 MAX_HEADS = 1 << 12             # query heads, kv heads
 MAX_HEAD_DIM = 1 << 12          # head dimension
 MAX_BLOCK_SIZE = MAX_TOKENS     # token block size of the tile pass
@@ -27,6 +27,7 @@ MAX_BATCH_FILE = 256 << 20      # bytes of a batch file (JSON / JSONL)
 MAX_PLAN_FILE = 256 << 20      # bytes of a plan file on disk
 MAX_PLAN_BODY = 512 << 20      # bytes of a plan body after decompression
 MAX_INSTRUCTIONS = 1 << 26      # instructions of one program, all devices and phases
+MAX_TRANSFERS = 1 << 26         # transfers (blocks moved) of one program, both phases; messages are fewer
 MAX_RUN_BYTES = 16 << 30        # bytes of tensors `plan run` may allocate for a check
 MAX_PROFILE_FILE = 1 << 20      # bytes of a cost profile JSON (--profile FILE.json; calibrate writes < 1 kB)
 MAX_MEMORY_CAP = 1 << 62        # bytes of memory_cap (--memory-cap): far beyond any device

@@ -1,18 +1,31 @@
-"""Program: one instruction stream and one buffer table per device and phase.
+"""Program: one instruction stream and one buffer table per device and phase,
+and the messages that travel between devices.
 
 Columnar: each stream is an int64 array ``[n, 6]``; column :data:`OP` holds
 the opcode and columns :data:`A1` .. :data:`A5` its operands (unused ones are
 0). The instruction set is one table, :data:`ISA`: per opcode its name, its
-operands (name and what each one names: a transfer tag, a peer device, a
-buffer or a compute block), which buffers it reads and writes, the kind and
-role each buffer operand must have, and the phases it is legal in. The text
-form, the parser, :data:`OPS`, :data:`N_OPERANDS` and the verifier's operand
-checks are all derived from it (the table is printed at the end of this
-docstring).
+operands (name and what each one names: a message, a peer device, a buffer
+or a compute block), which buffers it reads and writes, the kind and role
+each buffer operand must have, and the phases it is legal in. The text form,
+the parser, :data:`OPS`, :data:`N_OPERANDS` and the verifier's operand checks
+are all derived from it (the table is printed at the end of this docstring).
 
-A transfer completes only when both its send and its receive are posted
+Communication is by *message*: every block that moves between two devices
+is a *transfer* (a row of ``transfers``: kind, token block, head group,
+source, destination, bytes, and the buffer it is packed from on the source
+and unpacked into on the destination), and the transfers that travel between
+the same two devices in the same phase and stage form one message (a row of
+``messages``: its transfers are the contiguous range ``[start, end)`` of the
+transfer table, a CSR index; its bytes are theirs summed). ``send``,
+``recv`` and ``wait`` name a message: the sender packs the source buffers of
+its transfers into one contiguous buffer, in transfer order; the receiver
+gets one buffer and views it as the receive buffers of its transfers.
+
+A message completes only when both its send and its receive are posted
 (rendezvous semantics, as NCCL), so a symbolic run that never blocks proves
-the absence of deadlock on any transport.
+the absence of deadlock on any transport. Between two devices, sends and
+receives are posted in the same order (per phase, per ordered pair), so a
+transport may match them by posting order alone, as NCCL does.
 
 Buffers are rows ``(kind, tb, hg, role, peer, bytes)``; ``kind`` is Q, KV, O,
 dQ or dKV of token block ``tb`` and head group ``hg``; ``role`` is ``home``
@@ -35,17 +48,21 @@ B_Q, B_KV, B_O, B_DQ, B_DKV = range(5)
 KINDS = ("Q", "KV", "O", "dQ", "dKV")
 HOME, RECVD, PART = range(3)
 ROLES = ("home", "recv", "part")
-# transfer columns
-T_TAG, T_PHASE, T_KIND, T_TB, T_HG, T_SRC, T_DST, T_BYTES = range(8)
+# transfer columns: the block, its route, its bytes, its buffer on the source and on the destination
+T_TAG, T_PHASE, T_KIND, T_TB, T_HG, T_SRC, T_DST, T_BYTES, T_SBUF, T_RBUF = range(10)
+T_COLS = 10
+# message columns: its transfers are rows [start, end) of the transfer table
+M_ID, M_PHASE, M_SRC, M_DST, M_START, M_END, M_BYTES = range(7)
+M_COLS = 7
 # buffer columns
 BK, BTB, BHG, BROLE, BPEER, BBYTES = range(6)
 # instruction columns: the opcode, then operands 1..5
 OP, A1, A2, A3, A4, A5 = range(6)
 ARG_COLS = (A1, A2, A3, A4, A5)
 # what an operand names
-ARG_TAG, ARG_PEER, ARG_BUF, ARG_CB = range(4)
-ARG_NAMES = ("transfer tag", "device", "buffer", "compute block")
-ARG_PREFIX = ("t", "d", "%", "c")  # the text form of each kind: t3, d1, %7, c12
+ARG_MSG, ARG_PEER, ARG_BUF, ARG_CB = range(4)
+ARG_NAMES = ("message", "device", "buffer", "compute block")
+ARG_PREFIX = ("m", "d", "%", "c")  # the text form of each kind: m3, d1, %7, c12
 # buffer kinds legal in each phase (forward: q, k/v, out/lse; backward: the q bundle, k/v and the gradients)
 PHASE_KINDS = ((B_Q, B_KV, B_O), (B_Q, B_KV, B_DQ, B_DKV))
 _ANY_KIND = (B_Q, B_KV, B_O, B_DQ, B_DKV)
@@ -85,14 +102,14 @@ class OpSpec:
 RECV, SEND, WAIT, ATTN, MERGE, ATTN_BWD, ADD = range(7)
 _BOTH = (FWD, BWD)
 ISA = (
-    OpSpec(RECV, "recv", ("tag", "src", "buf"), (ARG_TAG, ARG_PEER, ARG_BUF), (), (2,),
-           (None, None, _ANY_KIND), (None, None, (RECVD,)), _BOTH,
-           "post the receive of transfer ``tag`` from ``src`` into ``buf`` (holds data after the wait)"),
-    OpSpec(SEND, "send", ("tag", "dst", "buf"), (ARG_TAG, ARG_PEER, ARG_BUF), (2,), (),
-           (None, None, _ANY_KIND), (None, None, _ANY_ROLE), _BOTH,
-           "post the send of ``buf`` to ``dst`` as transfer ``tag`` (``buf`` unchanged until the wait)"),
-    OpSpec(WAIT, "wait", ("tag",), (ARG_TAG,), (), (), (None,), (None,), _BOTH,
-           "block until transfer ``tag`` completed (both sides posted)"),
+    OpSpec(RECV, "recv", ("msg", "src"), (ARG_MSG, ARG_PEER), (), (), (None, None), (None, None), _BOTH,
+           "post the receive of message ``msg`` from ``src``: one buffer, viewed as the receive buffers of its "
+           "transfers (:data:`MSG_BUFFERS`; they hold data after the wait)"),
+    OpSpec(SEND, "send", ("msg", "dst"), (ARG_MSG, ARG_PEER), (), (), (None, None), (None, None), _BOTH,
+           "post the send of message ``msg`` to ``dst``: the source buffers of its transfers packed into one "
+           "(unchanged until the wait)"),
+    OpSpec(WAIT, "wait", ("msg",), (ARG_MSG,), (), (), (None,), (None,), _BOTH,
+           "block until message ``msg`` completed (both sides posted)"),
     OpSpec(ATTN, "attn", ("cb", "q", "kv", "o"), (ARG_CB, ARG_BUF, ARG_BUF, ARG_BUF), (1, 2), (3,),
            (None, (B_Q,), (B_KV,), (B_O,)), (None, (HOME, RECVD), (HOME, RECVD), (HOME, PART)), (FWD,),
            "o ⊕= attention(q, kv) over compute block ``cb`` (online softmax)"),
@@ -109,6 +126,10 @@ ISA = (
 )
 if tuple(s.code for s in ISA) != tuple(range(len(ISA))):  # pragma: no cover - the table is ordered by opcode
     raise ImportError("attnplan.ir.program: ISA rows must be ordered by opcode")
+
+# the buffers a message's send reads and its receive writes: per transfer (column, the kinds and roles the
+# buffer may have); the verifier checks them as it checks the buffer operands of the ISA
+MSG_BUFFERS = {SEND: (T_SBUF, _ANY_KIND, _ANY_ROLE), RECV: (T_RBUF, _ANY_KIND, (RECVD,))}
 
 OPS = tuple(s.name for s in ISA)
 N_OPERANDS = tuple(len(s.operands) for s in ISA)
@@ -172,27 +193,33 @@ def _per_device(levels, devices: int, cols: int, what: str) -> tuple:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Program:
-    """``transfers``: int64 ``[n, 8]`` rows ``(tag, phase, kind, tb, hg, src,
-    dst, bytes)``. ``buffers[phase][device]``: ``[nb, 6]``. ``code[phase][device]``: ``[n, 6]``."""
+    """``transfers``: int64 ``[n, 10]`` rows ``(tag, phase, kind, tb, hg, src,
+    dst, bytes, sbuf, rbuf)`` (``sbuf``: the buffer on ``src`` it is packed
+    from, ``rbuf``: the buffer on ``dst`` it is unpacked into). ``messages``:
+    int64 ``[m, 7]`` rows ``(id, phase, src, dst, start, end, bytes)``, the
+    message's transfers being rows ``start..end-1``. ``buffers[phase][device]``:
+    ``[nb, 6]``. ``code[phase][device]``: ``[n, 6]``."""
 
     devices: int
     transfers: np.ndarray
     buffers: tuple
     code: tuple
+    messages: np.ndarray
 
     def __post_init__(self):
         n = self.devices
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_DEVICES:
             raise PlanError(f"program: devices must be an integer in [1, {MAX_DEVICES}] (MAX_DEVICES), got {n!r}")
         object.__setattr__(self, "devices", int(n))
-        object.__setattr__(self, "transfers", _frozen(self.transfers, 8, "transfers"))
+        object.__setattr__(self, "transfers", _frozen(self.transfers, T_COLS, "transfers"))
         object.__setattr__(self, "buffers", _per_device(self.buffers, n, 6, "buffers"))
         object.__setattr__(self, "code", _per_device(self.code, n, 6, "code"))
+        object.__setattr__(self, "messages", _frozen(self.messages, M_COLS, "messages"))
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Program) or other.devices != self.devices:
             return False
-        if not np.array_equal(self.transfers, other.transfers):
+        if not np.array_equal(self.transfers, other.transfers) or not np.array_equal(self.messages, other.messages):
             return False
         return all(np.array_equal(a, b) for pa, pb in zip(self.buffers + self.code, other.buffers + other.code)
                    for a, b in zip(pa, pb))
@@ -202,9 +229,21 @@ class Program:
     def n_instructions(self) -> int:
         return sum(len(c) for ph in self.code for c in ph)
 
+    def transfer_message(self) -> np.ndarray:
+        """The message of every transfer (from the CSR index; the message table must be well formed)."""
+        M = self.messages
+        counts = np.maximum(M[:, M_END] - M[:, M_START], 0)
+        out = np.full(len(self.transfers), -1, np.int64)
+        if len(M) and counts.sum() == len(self.transfers):
+            out[:] = np.repeat(np.arange(len(M), dtype=np.int64), counts)
+        return out
+
     # text form ---------------------------------------------------------------
     def to_text(self, device: int | None = None) -> str:
         out = [f"program devices={self.devices}"]
+        for m in self.messages.tolist():
+            if device is None or device in (m[M_SRC], m[M_DST]):
+                out.append(format_message(m))
         for t in self.transfers.tolist():
             if device is None or device in (t[T_SRC], t[T_DST]):
                 out.append(format_transfer(t))
@@ -224,9 +263,14 @@ class Program:
         return parse_program(text)
 
 
+def format_message(m) -> str:
+    return (f"message m{m[M_ID]} {PHASES[m[M_PHASE]]} d{m[M_SRC]}->d{m[M_DST]} t{m[M_START]}:t{m[M_END]} "
+            f"{m[M_BYTES]}")
+
+
 def format_transfer(t) -> str:
     return (f"transfer t{t[T_TAG]} {PHASES[t[T_PHASE]]} {KINDS[t[T_KIND]]} tb={t[T_TB]} hg={t[T_HG]} "
-            f"d{t[T_SRC]}->d{t[T_DST]} {t[T_BYTES]}")
+            f"d{t[T_SRC]}->d{t[T_DST]} {t[T_BYTES]} %{t[T_SBUF]}->%{t[T_RBUF]}")
 
 
 def format_buffer(b) -> str:
@@ -272,14 +316,27 @@ def _arity(w: list, n, lineno: int, form: str) -> None:
         raise PlanFileError(f"program text line {lineno}: expected '{form}'")
 
 
+def _pair(tok: str, sep: str, prefix: str, no: int) -> tuple[int, int]:
+    """``<prefix>a<sep><prefix>b`` as (a, b)."""
+    a, mid, b = tok.partition(sep)
+    if not mid:
+        raise PlanFileError(f"program text line {no}: expected {prefix}<n>{sep}{prefix}<n>, got {tok[:40]!r}")
+    return _num(a, prefix, no), _num(b, prefix, no)
+
+
+def _parse_message(w: list, no: int) -> list:
+    _arity(w, 6, no, "message m<id> <phase> d<src>->d<dst> t<start>:t<end> <bytes>")
+    src, dst = _pair(w[3], "->", "d", no)
+    start, end = _pair(w[4], ":", "t", no)
+    return [_num(w[1], "m", no), _word(w[2], PHASES, "phase", no), src, dst, start, end, _num(w[5], "", no)]
+
+
 def _parse_transfer(w: list, no: int) -> list:
-    _arity(w, 8, no, "transfer t<tag> <phase> <kind> tb=<n> hg=<n> d<src>->d<dst> <bytes>")
-    src, arrow, dst = w[6].partition("->")
-    if not arrow:
-        raise PlanFileError(f"program text line {no}: expected d<src>->d<dst>, got {w[6][:40]!r}")
+    _arity(w, 9, no, "transfer t<tag> <phase> <kind> tb=<n> hg=<n> d<src>->d<dst> <bytes> %<sbuf>->%<rbuf>")
+    src, dst = _pair(w[6], "->", "d", no)
+    sbuf, rbuf = _pair(w[8], "->", "%", no)
     return [_num(w[1], "t", no), _word(w[2], PHASES, "phase", no), _word(w[3], KINDS, "kind", no),
-            _num(w[4], "tb=", no), _num(w[5], "hg=", no), _num(src, "d", no), _num(dst, "d", no),
-            _num(w[7], "", no)]
+            _num(w[4], "tb=", no), _num(w[5], "hg=", no), src, dst, _num(w[7], "", no), sbuf, rbuf]
 
 
 def _parse_buffer(w: list, index: int, no: int) -> list:
@@ -298,7 +355,7 @@ def _parse_instr(w: list, no: int) -> list:
     s = OP_BY_NAME.get(w[0])
     if s is None:
         raise PlanFileError(f"program text line {no}: unknown instruction {w[0][:40]!r}; expected one of "
-                            f"{', '.join(OPS)} (or transfer, device, buffer)")
+                            f"{', '.join(OPS)} (or message, transfer, device, buffer)")
     _arity(w, 1 + len(s.operands), no, " ".join([s.name] + [f"{ARG_PREFIX[a]}<{n}>" for a, n in
                                                            zip(s.args, s.operands)]))
     args = [_num(tok, ARG_PREFIX[a], no) for tok, a in zip(w[1:], s.args)]
@@ -331,6 +388,7 @@ def parse_program(text: str) -> Program:
         raise PlanFileError(f"program text must be a str, got {type(text).__name__}")
     devices = None
     transfers: list = []
+    messages: list = []
     sections: dict = {}
     cur = None
     for no, ln in enumerate(text.splitlines(), 1):
@@ -343,6 +401,8 @@ def parse_program(text: str) -> Program:
             devices = _parse_header(w, no)
         elif w[0] == "transfer":
             transfers.append(_parse_transfer(w, no))
+        elif w[0] == "message":
+            messages.append(_parse_message(w, no))
         elif w[0] == "device":
             cur = _parse_section(w, devices, sections, no)
         elif cur is None:
@@ -357,6 +417,7 @@ def parse_program(text: str) -> Program:
     bufs = tuple(tuple(sections.get((ph, d), empty)[0] for d in range(devices)) for ph in (FWD, BWD))
     cds = tuple(tuple(sections.get((ph, d), empty)[1] for d in range(devices)) for ph in (FWD, BWD))
     try:
-        return Program(devices, np.asarray(transfers, np.int64).reshape(-1, 8), bufs, cds)
+        return Program(devices, np.asarray(transfers, np.int64).reshape(-1, T_COLS), bufs, cds,
+                       np.asarray(messages, np.int64).reshape(-1, M_COLS))
     except AttnplanError as e:
         raise PlanFileError(f"program text: {e}") from None

@@ -4,11 +4,23 @@ its block graph and placement (invariants 2-6 at the instruction level; see
 legal in their phase, operands naming what the instruction set says they
 name, buffer tables with the kinds, roles and sizes of their phase.
 
+Messages: the message table is a CSR index of the transfer table (every
+transfer in exactly one message, a message's transfers share its phase,
+source and destination, its bytes are theirs summed); each transfer names a
+buffer of its block on its source (what the send packs) and a receive buffer
+of its block on its destination (what the receive unpacks into). A send reads
+the source buffers of its message's transfers and a receive writes their
+receive buffers: the checks of the instruction set's buffer operands apply to
+them as well (readiness before the send, each receive buffer received exactly
+once, a partial final when sent). Between every two devices, the sends on
+one side and the receives on the other are posted in the same order per
+phase (:func:`check_pair_order`: a transport may match by order, as NCCL).
+
 Every check is columnar over all devices of a phase at once: the streams and
 buffer tables of a phase are concatenated (:class:`PhaseView`), so the cost
-is a few numpy passes over the instructions, never a Python loop per device,
-transfer or instruction. Deadlock freedom is the graph check of
-:func:`attnplan.ir.interp.check_deadlock_free`.
+is a few numpy passes over the instructions and transfers, never a Python
+loop per device, transfer or instruction. Deadlock freedom is the graph
+check of :func:`attnplan.ir.interp.check_deadlock_free`.
 """
 
 from __future__ import annotations
@@ -16,16 +28,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import DeadlockError, VerifyError
-from .interp import check_deadlock_free, transfer_key
+from .interp import check_deadlock_free, message_key
+from .limits import MAX_TRANSFERS
 from .program import (
     ADD,
     ARG_BUF,
     ARG_CB,
     ARG_COLS,
+    ARG_MSG,
     ARG_NAMES,
     ARG_PEER,
     ARG_PREFIX,
-    ARG_TAG,
     ATTN,
     ATTN_BWD,
     B_DKV,
@@ -44,7 +57,16 @@ from .program import (
     HOME,
     ISA,
     KINDS,
+    M_BYTES,
+    M_COLS,
+    M_DST,
+    M_END,
+    M_ID,
+    M_PHASE,
+    M_SRC,
+    M_START,
     MERGE,
+    MSG_BUFFERS,
     N_OPERANDS,
     OP,
     OP_PHASE,
@@ -56,10 +78,13 @@ from .program import (
     ROLES,
     SEND,
     T_BYTES,
+    T_COLS,
     T_DST,
     T_HG,
     T_KIND,
     T_PHASE,
+    T_RBUF,
+    T_SBUF,
     T_SRC,
     T_TAG,
     T_TB,
@@ -84,6 +109,14 @@ def first(mask: np.ndarray) -> int | None:
     return int(np.argmax(mask))
 
 
+def member(values: np.ndarray, allowed, size: int) -> np.ndarray:
+    """``np.isin(values, allowed)`` for small non-negative codes below ``size``
+    (a table lookup; values outside ``[0, size)`` are not members)."""
+    table = np.zeros(size + 1, bool)
+    table[list(allowed)] = True
+    return table[np.where((values >= 0) & (values < size), values, size)]
+
+
 def check_shape(a, shape: tuple, what: str, inv: int) -> None:
     """``a`` is an int64 array of ``shape`` (``None`` matches any length)."""
     if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != len(shape) \
@@ -97,10 +130,12 @@ class PhaseView:
     concatenated. Instruction ``r`` is row ``r`` at index ``idx[r]`` of
     device ``dev[r]``; buffer operand ``b`` of device ``d`` is global buffer
     ``boff[d] + b``. Columns are kept contiguous (``arg[i]``: operand ``i+1``;
-    ``bk``, ``btb``... of buffers; ``x[c]``: transfer column ``c``); the rows
-    of each opcode and their operands are computed once and cached."""
+    ``bk``, ``btb``... of buffers; ``x[c]``: transfer column ``c``, ``m[c]``:
+    message column ``c``); ``ts`` are the transfers of this phase and
+    ``tmsg[t]`` the message of transfer ``t``; the rows of each opcode and
+    their operands are computed once and cached."""
 
-    def __init__(self, prog: Program, phase: int):
+    def __init__(self, prog: Program, phase: int, tmsg: np.ndarray | None = None, XT: np.ndarray | None = None):
         code, bufs = prog.code[phase], prog.buffers[phase]
         n = np.array([len(c) for c in code], np.int64)
         nb = np.array([len(b) for b in bufs], np.int64)
@@ -120,7 +155,13 @@ class PhaseView:
         self.bdev = np.repeat(np.arange(prog.devices, dtype=np.int64), nb)
         self.boff = np.concatenate([[0], np.cumsum(nb)]).astype(np.int64)
         self.nb = nb
-        self.x = list(np.ascontiguousarray(prog.transfers.T))
+        self.x = list(np.ascontiguousarray(prog.transfers.T) if XT is None else XT)
+        self.m = list(np.ascontiguousarray(prog.messages.T))
+        self.ts = np.flatnonzero(self.x[T_PHASE] == phase)
+        # the phase's transfers as a selector: a slice when they are contiguous (as emit writes them)
+        contiguous = len(self.ts) and self.ts[-1] - self.ts[0] + 1 == len(self.ts)
+        self.tsel = slice(int(self.ts[0]), int(self.ts[-1]) + 1) if contiguous else self.ts
+        self.tmsg = prog.transfer_message() if tmsg is None else tmsg
         self._rows: dict = {}
         self._cache: dict = {}
 
@@ -176,7 +217,8 @@ def context(prog: Program, phase: int, d: int, i: int, width: int = 4) -> str:
 # ------------------------------------------------------------------------------------ tables
 
 def check_shapes(prog: Program) -> None:
-    check_shape(prog.transfers, (None, 8), "program.transfers", 5)
+    check_shape(prog.transfers, (None, T_COLS), "program.transfers", 5)
+    check_shape(prog.messages, (None, M_COLS), "program.messages", 5)
     for ph in (FWD, BWD):
         for d in range(prog.devices):
             check_shape(prog.buffers[ph][d], (None, 6), f"program.buffers[{ph}][{d}]", 5)
@@ -190,11 +232,22 @@ def _phase_kind_table() -> np.ndarray:
     return legal
 
 
-def check_transfers(g, prog: Program) -> None:
+def transfer_key(prog: Program, t: int, tmsg: np.ndarray | None = None) -> str:
+    """``t5 fwd KV[tb2,hg0] d0->d1`` (and its message, when known)."""
+    x = prog.transfers[t]
+    kind = KINDS[x[T_KIND]] if 0 <= x[T_KIND] < len(KINDS) else f"kind {x[T_KIND]}"
+    phase = PHASES[x[T_PHASE]] if 0 <= x[T_PHASE] < len(PHASES) else f"phase {x[T_PHASE]}"
+    msg = f" (in message m{tmsg[t]})" if tmsg is not None and tmsg[t] >= 0 else ""
+    return f"t{t} {phase} {kind}[tb{x[T_TB]},hg{x[T_HG]}] d{x[T_SRC]}->d{x[T_DST]}{msg}"
+
+
+def check_transfers(g, prog: Program, XT: np.ndarray) -> None:
     """Tags 0..n-1 in order; every transfer a real block of a kind of its
-    phase between two devices, with its canonical size."""
+    phase between two devices, with its canonical size. ``XT``: the transfer
+    table's columns (its transpose, contiguous)."""
     X = prog.transfers
-    XT = np.ascontiguousarray(X.T)
+    if len(X) > MAX_TRANSFERS:
+        fail(5, f"{len(X)} transfers, more than MAX_TRANSFERS = {MAX_TRANSFERS}")
     tag, ph, kind, tb, hg, src, dst, nbytes = (XT[c] for c in (T_TAG, T_PHASE, T_KIND, T_TB, T_HG, T_SRC, T_DST,
                                                                T_BYTES))
     if len(X) and not np.array_equal(tag, np.arange(len(X))):
@@ -216,6 +269,45 @@ def check_transfers(g, prog: Program) -> None:
         fail(5, f"{transfer_key(prog, bad)} carries {nbytes[bad]} bytes; the block has {want[bad]}")
 
 
+def check_messages(prog: Program, XT: np.ndarray) -> np.ndarray:
+    """The message table: ids 0..m-1 in order, each message between two
+    devices, its transfers a non-empty range that continues where the
+    previous message's ended (a CSR index covering every transfer once),
+    all of them of the message's phase, source and destination, its bytes
+    their sum. Returns the message of every transfer."""
+    M, X = prog.messages, prog.transfers
+    nm, nt = len(M), len(X)
+    MT = np.ascontiguousarray(M.T)
+    mid, ph, src, dst, start, end, nbytes = (MT[c] for c in (M_ID, M_PHASE, M_SRC, M_DST, M_START, M_END, M_BYTES))
+    if nm and not np.array_equal(mid, np.arange(nm)):
+        fail(5, "message ids must be 0..m-1 in order")
+    bad = first(~(((ph == FWD) | (ph == BWD)) & (src >= 0) & (src < prog.devices) & (dst >= 0)
+                  & (dst < prog.devices) & (src != dst)))
+    if bad is not None:
+        fail(5, f"message m{bad} {M[bad].tolist()} has a bad phase, source or destination")
+    if not nm:
+        if nt:
+            fail(5, f"{nt} transfers but no message carries them")
+        return np.zeros(0, np.int64)
+    prev_end = np.concatenate([[0], end[:-1]])
+    bad = first((start != prev_end) | (end <= start))
+    if bad is not None:
+        fail(5, f"message m{bad} carries transfers t{start[bad]}..t{end[bad] - 1}: a message's transfers are a "
+                f"non-empty range that starts where the previous message's ended (t{prev_end[bad]})")
+    if end[-1] != nt:
+        fail(5, f"the messages carry transfers t0..t{end[-1] - 1}, but there are {nt} transfers")
+    tmsg = np.repeat(np.arange(nm, dtype=np.int64), end - start)
+    bad = first((XT[T_PHASE] != ph[tmsg]) | (XT[T_SRC] != src[tmsg]) | (XT[T_DST] != dst[tmsg]))
+    if bad is not None:
+        fail(5, f"{transfer_key(prog, bad)} is carried by {message_key(prog, int(tmsg[bad]))}, which has another "
+                f"phase, source or destination")
+    total = np.add.reduceat(XT[T_BYTES], start)
+    bad = first(total != nbytes)
+    if bad is not None:
+        fail(5, f"{message_key(prog, bad)} says {nbytes[bad]} bytes; its transfers carry {total[bad]}")
+    return tmsg
+
+
 def check_buffers(g, pl, f: PhaseView, memory_cap: int | None) -> None:
     """Buffer rows name real blocks of a kind of this phase, in a role that
     kind can have, with their canonical sizes; a receive buffer names another
@@ -223,7 +315,8 @@ def check_buffers(g, pl, f: PhaseView, memory_cap: int | None) -> None:
     cap (invariant 6)."""
     d, n = f.bdev, f.prog.devices
     data = (f.bk == B_Q) | (f.bk == B_KV)
-    ok = np.isin(f.bk, PHASE_KINDS[f.phase]) & (f.btb >= 0) & (f.btb < g.n_tb) & (f.bhg >= 0) & (f.bhg < g.n_hg)
+    ok = member(f.bk, PHASE_KINDS[f.phase], len(KINDS)) & (f.btb >= 0) & (f.btb < g.n_tb)
+    ok &= (f.bhg >= 0) & (f.bhg < g.n_hg)
     ok &= (f.brole >= 0) & (f.brole <= PART) & ~(data & (f.brole == PART))
     bad = first(~ok)
     if bad is not None:
@@ -287,25 +380,25 @@ def check_opcodes(f: PhaseView) -> None:
 
 
 def check_operand_ids(g, pl, f: PhaseView) -> None:
-    """Every operand names what the instruction set says: a transfer of this
+    """Every operand names what the instruction set says: a message of this
     phase, an existing buffer of this device, a compute block placed here
-    (peers are checked against their transfer)."""
-    phase_of = f.x[T_PHASE]
+    (peers are checked against their message)."""
+    phase_of = f.m[M_PHASE]
     for s in ISA:
         rows = f.rows(s.code)
         for name, arg in zip(s.operands, s.args):
             if arg == ARG_PEER or not len(rows):
                 continue
             v = f.operand(s.code, name)
-            hi = {ARG_TAG: len(phase_of), ARG_BUF: f.nb[f.devs(s.code)], ARG_CB: g.n_cb}[arg]
+            hi = {ARG_MSG: len(phase_of), ARG_BUF: f.nb[f.devs(s.code)], ARG_CB: g.n_cb}[arg]
             bad = first((v < 0) | (v >= hi))
             if bad is not None:
                 f.fail(2 if arg == ARG_CB else 5, rows[bad],
                        f"{s.name} {name}: unknown {ARG_NAMES[arg]} {ARG_PREFIX[arg]}{v[bad]}")
-            if arg == ARG_TAG:
+            if arg == ARG_MSG:
                 bad = first(phase_of[v] != f.phase)
                 if bad is not None:
-                    f.fail(5, rows[bad], f"{s.name} names {transfer_key(f.prog, v[bad])}, a transfer of another "
+                    f.fail(5, rows[bad], f"{s.name} names {message_key(f.prog, v[bad])}, a message of another "
                                          f"phase")
             if arg == ARG_CB:
                 bad = first(pl.cb_device[v] != f.devs(s.code))
@@ -322,7 +415,7 @@ def check_buffer_kinds(f: PhaseView) -> None:
             if arg != ARG_BUF:
                 continue
             gb = f.buffer(s.code, name)
-            ok = np.isin(f.bk[gb], s.kinds[i]) & np.isin(f.brole[gb], s.roles[i])
+            ok = member(f.bk[gb], s.kinds[i], len(KINDS)) & member(f.brole[gb], s.roles[i], len(ROLES))
             bad = first(~ok)
             if bad is not None:
                 kinds = "/".join(KINDS[k] for k in s.kinds[i])
@@ -358,28 +451,45 @@ def check_merge_operands(f: PhaseView) -> None:
                                        f"partial and its home block")
 
 
-def check_transfer_operands(f: PhaseView) -> None:
-    """send / recv / wait: the device is the transfer's sender / receiver /
-    either, the peer is the other side, the buffer holds the transfer's block
-    (a receive buffer names the sender)."""
-    src, dst, kind, tb, hg = (f.x[c] for c in (T_SRC, T_DST, T_KIND, T_TB, T_HG))
-    t, me = f.operand(WAIT, "tag"), f.devs(WAIT)
+def check_message_operands(f: PhaseView) -> None:
+    """send / recv / wait: the device is the message's sender / receiver /
+    either, the peer is the other side. Every transfer of the phase names, on
+    its source, a buffer holding its block (what the send packs) and, on its
+    destination, a receive buffer of its block from that source (what the
+    receive unpacks into), of the kinds and roles :data:`MSG_BUFFERS` allows."""
+    src, dst = f.m[M_SRC], f.m[M_DST]
+    t, me = f.operand(WAIT, "msg"), f.devs(WAIT)
     bad = first((src[t] != me) & (dst[t] != me))
     if bad is not None:
-        f.fail(5, f.rows(WAIT)[bad], f"waits on {transfer_key(f.prog, t[bad])}, which is not its own")
+        f.fail(5, f.rows(WAIT)[bad], f"waits on {message_key(f.prog, t[bad])}, which is not its own")
     for op, peer_name, mine, other in ((SEND, "dst", src, dst), (RECV, "src", dst, src)):
-        t, me, rows = f.operand(op, "tag"), f.devs(op), f.rows(op)
+        t, me, rows = f.operand(op, "msg"), f.devs(op), f.rows(op)
         bad = first((mine[t] != me) | (other[t] != f.operand(op, peer_name)))
         if bad is not None:
-            f.fail(5, rows[bad], f"posts {transfer_key(f.prog, t[bad])} with the wrong peer/phase")
-        gb = f.buffer(op, "buf")
-        wrong = (f.bk[gb] != kind[t]) | (f.btb[gb] != tb[t]) | (f.bhg[gb] != hg[t])
+            f.fail(5, rows[bad], f"posts {message_key(f.prog, t[bad])} with the wrong peer")
+    ts, sel = f.ts, f.tsel
+    kind, tb, hg = f.x[T_KIND][sel], f.x[T_TB][sel], f.x[T_HG][sel]
+    for op, (col, kinds, roles) in MSG_BUFFERS.items():
+        dev = f.x[T_SRC if op == SEND else T_DST][sel]
+        b = f.x[col][sel]
+        side = "source" if op == SEND else "receive"
+        bad = first((b < 0) | (b >= f.nb[dev]))
+        if bad is not None:
+            fail(5, f"{transfer_key(f.prog, ts[bad], f.tmsg)}: its {side} buffer %{b[bad]} does not exist on "
+                    f"d{dev[bad]} ({f.nb[dev[bad]]} buffers in {f.name})")
+        gb = f.boff[dev] + b
+        wrong = (f.bk[gb] != kind) | (f.btb[gb] != tb) | (f.bhg[gb] != hg)
+        if len(roles) < len(ROLES):
+            wrong |= ~member(f.brole[gb], roles, len(ROLES))
+        if len(kinds) < len(KINDS):
+            wrong |= ~member(f.bk[gb], kinds, len(KINDS))
         if op == RECV:
-            wrong |= f.bpeer[gb] != src[t]
+            wrong |= f.bpeer[gb] != f.x[T_SRC][sel]
         bad = first(wrong)
         if bad is not None:
-            f.fail(5, rows[bad], f"buffer {f.describe(gb[bad])} does not match {transfer_key(f.prog, t[bad])}"
-                                 + (f" (a receive buffer from d{src[t[bad]]})" if op == RECV else ""))
+            want = "a receive buffer of its block from its source" if op == RECV else "a buffer of its block"
+            fail(5, f"device {dev[bad]} {f.name}: {transfer_key(f.prog, ts[bad], f.tmsg)} names {side} buffer "
+                    f"{f.describe(gb[bad])}; it must be {want}")
 
 
 # ------------------------------------------------------------------------------------ pairing and order
@@ -396,46 +506,74 @@ def _first_duplicate(keys: np.ndarray, n: int) -> tuple[int, int] | None:
 
 
 def check_pairing(f: PhaseView) -> np.ndarray:
-    """Every transfer of this phase is sent once, received once and waited
-    once by each side. Returns ``wait_at[tag, side]``: the stream index of
+    """Every message of this phase is sent once, received once and waited
+    once by each side. Returns ``wait_at[msg, side]``: the stream index of
     each side's wait (side 0 the sender, 1 the receiver)."""
-    nt = len(f.x[T_PHASE])
-    mine = f.x[T_PHASE] == f.phase
+    nm = len(f.m[M_PHASE])
+    mine = f.m[M_PHASE] == f.phase
     for op, verb, missing in ((SEND, "sent", "received but never sent"), (RECV, "received", "sent but never received")):
-        t = f.operand(op, "tag")
-        dup = _first_duplicate(t, nt)
+        t = f.operand(op, "msg")
+        dup = _first_duplicate(t, nm)
         if dup is not None:
             a, b = f.rows(op)[list(dup)]
-            fail(5, f"{transfer_key(f.prog, t[dup[0]])} is {verb} twice (devices {f.dev[a]} and {f.dev[b]})")
-        miss = first(mine & (np.bincount(t, minlength=nt) == 0))
+            fail(5, f"{message_key(f.prog, t[dup[0]])} is {verb} twice (devices {f.dev[a]} and {f.dev[b]})")
+        miss = first(mine & (np.bincount(t, minlength=nm) == 0))
         if miss is not None:
-            fail(5, f"{transfer_key(f.prog, miss)} is {missing}")
-    t = f.operand(WAIT, "tag")
-    side = (f.x[T_DST][t] == f.devs(WAIT)).astype(np.int64)
-    dup = _first_duplicate(t * 2 + side, 2 * nt)
+            fail(5, f"{message_key(f.prog, miss)} is {missing}")
+    t = f.operand(WAIT, "msg")
+    side = (f.m[M_DST][t] == f.devs(WAIT)).astype(np.int64)
+    dup = _first_duplicate(t * 2 + side, 2 * nm)
     if dup is not None:
-        f.fail(5, f.rows(WAIT)[dup[1]], f"waits on {transfer_key(f.prog, t[dup[0]])} twice")
-    wait_at = np.full((nt, 2), NEVER, np.int64)
+        f.fail(5, f.rows(WAIT)[dup[1]], f"waits on {message_key(f.prog, t[dup[0]])} twice")
+    wait_at = np.full((nm, 2), NEVER, np.int64)
     wait_at[t, side] = f.index(WAIT)
     miss = first((mine[:, None] & (wait_at == NEVER)).ravel())
     if miss is not None:
-        tag, sd = divmod(miss, 2)
-        fail(5, f"{transfer_key(f.prog, tag)}: the {'sender' if sd == 0 else 'receiver'} never waits on it")
+        msg, sd = divmod(miss, 2)
+        fail(5, f"{message_key(f.prog, msg)}: the {'sender' if sd == 0 else 'receiver'} never waits on it")
     return wait_at
+
+
+def check_pair_order(f: PhaseView) -> None:
+    """For every ordered pair of devices (a, b), the messages a sends to b
+    and the messages b receives from a are posted in the same order: a
+    transport that matches messages by posting order alone (NCCL) pairs
+    them right. (Messages are sent and received once each: check_pairing.)"""
+    n, nm = f.prog.devices, len(f.m[M_PHASE])
+    ranks = []
+    for op, pair in ((SEND, f.devs(SEND) * n + f.operand(SEND, "dst")),
+                     (RECV, f.operand(RECV, "src") * n + f.devs(RECV))):
+        order = np.argsort(pair, kind="stable")  # rows are in stream order within each device
+        rank = np.empty(len(pair), np.int64)
+        rank[order] = np.arange(len(pair)) - np.searchsorted(pair[order], pair[order], side="left")
+        at = np.full(nm, -1, np.int64)
+        at[f.operand(op, "msg")] = rank
+        ranks.append(at)
+    msg = f.operand(SEND, "msg")
+    bad = first(ranks[0][msg] != ranks[1][msg])
+    if bad is not None:
+        m = int(msg[bad])
+        a, b = int(f.m[M_SRC][m]), int(f.m[M_DST][m])
+        f.fail(5, f.rows(SEND)[bad], f"sends {message_key(f.prog, m)} as its message #{ranks[0][m]} to d{b}, but d{b} "
+                                     f"posts its receive as #{ranks[1][m]} from d{a}: sends and receives between two "
+                                     f"devices must be posted in the same order")
 
 
 def ready_times(f: PhaseView, wait_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per global buffer: the stream index after which it holds data (home:
-    −1; received: the receiver's wait; partial: its first write; never:
-    NEVER), and the index of its last write by a compute instruction (−1:
-    none). A buffer is received into at most once."""
+    −1; received: the receiver's wait of its message; partial: its first
+    write; never: NEVER), and the index of its last write by a compute
+    instruction (−1: none). A buffer is received into at most once."""
     ready = np.full(len(f.B), NEVER, np.int64)
     ready[f.brole == HOME] = -1
-    gb = f.buffer(RECV, "buf")
+    ts, sel = f.ts, f.tsel
+    gb = f.boff[f.x[T_DST][sel]] + f.x[T_RBUF][sel]
     dup = _first_duplicate(gb, len(f.B))
     if dup is not None:
-        f.fail(5, f.rows(RECV)[dup[1]], f"receives into %{f.local(gb[dup[0]])} twice")
-    ready[gb] = wait_at[f.operand(RECV, "tag"), 1]
+        a, b = ts[list(dup)]
+        fail(5, f"device {f.bdev[gb[dup[0]]]} {f.name}: receives into %{f.local(gb[dup[0]])} twice "
+                f"({transfer_key(f.prog, a, f.tmsg)} and {transfer_key(f.prog, b, f.tmsg)})")
+    ready[gb] = wait_at[f.tmsg[sel], 1]
     first_w = np.full(len(f.B), NEVER, np.int64)
     last_w = np.full(len(f.B), -1, np.int64)
     for op in (ATTN, ATTN_BWD):
@@ -448,10 +586,26 @@ def ready_times(f: PhaseView, wait_at: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return ready, last_w
 
 
+def _sent(f: PhaseView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per transfer of this phase: the global buffer its send packs, and the
+    stream index and row of its message's send on the source."""
+    def make():
+        sel = f.tsel
+        gb = f.boff[f.x[T_SRC][sel]] + f.x[T_SBUF][sel]
+        at = np.full(len(f.m[M_PHASE]), NEVER, np.int64)
+        row = np.zeros(len(f.m[M_PHASE]), np.int64)
+        msg = f.operand(SEND, "msg")
+        at[msg], row[msg] = f.index(SEND), f.rows(SEND)
+        m = f.tmsg[sel]
+        return gb, at[m], row[m]
+    return f._cached("sent", make)
+
+
 def check_order(f: PhaseView, ready: np.ndarray, last_w: np.ndarray) -> None:
-    """Every read (per :data:`ISA`) comes after its buffer holds data, and a
-    sent partial is not written after its send; the earliest offending
-    instruction of the earliest device is named."""
+    """Every read (per :data:`ISA`, and a send's read of its message's source
+    buffers) comes after its buffer holds data, and a sent partial is not
+    written after its send; the earliest offending instruction of the
+    earliest device is named."""
     errors = []  # (row, invariant, message)
     for s in ISA:
         for i in s.reads:
@@ -461,22 +615,24 @@ def check_order(f: PhaseView, ready: np.ndarray, last_w: np.ndarray) -> None:
             if bad is None:
                 continue
             b = f.local(gb[bad])
-            if s.code == SEND:
-                msg = f"sends %{b} before it holds data"
-            elif s.code in (MERGE, ADD):
+            if s.code in (MERGE, ADD):
                 msg = f"merges %{b} before its receive completed"
             else:
                 msg = f"{name.upper()} %{b} is read before its receive completed"
             errors.append((int(f.rows(s.code)[bad]), 3, msg))
-    gb, at = f.buffer(SEND, "buf"), f.index(SEND)
+    gb, at, row = _sent(f)
+    bad = first(ready[gb] >= at)
+    if bad is not None:
+        errors.append((int(row[bad]), 3, f"sends %{f.local(gb[bad])} before it holds data (it travels in "
+                                         f"{message_key(f.prog, f.tmsg[f.ts[bad]])})"))
     bad = first(last_w[gb] > at)
     if bad is not None:
-        row = int(f.rows(SEND)[bad] - at[bad] + last_w[gb[bad]])  # the last write, on the same device
-        msg = f"%{f.local(gb[bad])} is written after it was sent (a partial must be final when sent)"
-        errors.append((row, 4, msg))
+        last = int(row[bad] - at[bad] + last_w[gb[bad]])  # the last write, on the same device
+        errors.append((last, 4, f"%{f.local(gb[bad])} is written after it was sent (a partial must be final when "
+                                f"sent)"))
     if errors:
-        row, inv, msg = min(errors, key=lambda e: e[0])
-        f.fail(inv, row, msg)
+        r, inv, msg = min(errors, key=lambda e: e[0])
+        f.fail(inv, r, msg)
 
 
 def check_partials(f: PhaseView, ready: np.ndarray) -> None:
@@ -489,7 +645,7 @@ def check_partials(f: PhaseView, ready: np.ndarray) -> None:
     bad = first(merged > 1)
     if bad is not None:
         f.fail(4, rows[src == bad][1], f"merges partial %{f.local(bad)} twice")
-    sent = np.bincount(f.buffer(SEND, "buf"), minlength=nb)
+    sent = np.bincount(_sent(f)[0], minlength=nb)
 
     def what(b: int) -> str:
         return f"{KINDS[f.bk[b]]}[tb{f.btb[b]},hg{f.bhg[b]}] (%{f.local(b)})"
@@ -521,17 +677,21 @@ def check_runs_once(g, pl, f: PhaseView) -> None:
 
 # ------------------------------------------------------------------------------------ entry points
 
-def verify_phase(g, pl, prog: Program, phase: int, memory_cap: int | None = None) -> None:
-    """Invariants 2-6 for one phase of a program, over all devices at once."""
-    f = PhaseView(prog, phase)
+def verify_phase(g, pl, prog: Program, phase: int, memory_cap: int | None = None,
+                 tmsg: np.ndarray | None = None, XT: np.ndarray | None = None) -> None:
+    """Invariants 2-6 for one phase of a program, over all devices at once
+    (``tmsg``: the message of every transfer, from :func:`check_messages`;
+    ``XT``: the transfer table's columns)."""
+    f = PhaseView(prog, phase, tmsg, XT)
     check_buffers(g, pl, f, memory_cap)
     check_opcodes(f)
     check_operand_ids(g, pl, f)
     check_buffer_kinds(f)
     check_compute_operands(g, f)
     check_merge_operands(f)
-    check_transfer_operands(f)
+    check_message_operands(f)
     wait_at = check_pairing(f)
+    check_pair_order(f)
     ready, last_w = ready_times(f, wait_at)
     check_order(f, ready, last_w)
     check_partials(f, ready)
@@ -547,6 +707,8 @@ def verify_program(g, pl, prog: Program, memory_cap: int | None = None) -> None:
     if prog.devices != pl.devices:
         fail(5, f"program has {prog.devices} devices, placement {pl.devices}")
     check_shapes(prog)
-    check_transfers(g, prog)
+    XT = np.ascontiguousarray(prog.transfers.T)  # one transposing copy: every column contiguous
+    check_transfers(g, prog, XT)
+    tmsg = check_messages(prog, XT)
     for phase in (FWD, BWD):
-        verify_phase(g, pl, prog, phase, memory_cap)
+        verify_phase(g, pl, prog, phase, memory_cap, tmsg, XT)

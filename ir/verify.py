@@ -7,20 +7,25 @@
    to every mask piece's pair count, and every (tile, head group) is one
    compute block, run exactly once by the program.
 3. A compute block's Q and KV are on its device before it runs: owned, or
-   received in a transfer whose wait came first. The schedule moves exactly
+   received in a message whose wait came first. The schedule moves exactly
    the blocks a device needs, each once.
 4. Every partial output is merged into its home exactly once (forward O;
    backward dQ and dKV), after its last write, and nothing writes a buffer
    while it is being sent.
-5. Every send has one matching receive of the same size and kind, and a
-   symbolic run of all programs (rendezvous semantics) finishes: no deadlock.
+5. Every message has one send and one receive; the blocks it carries are
+   the transfers the message table says, each packed from a buffer of its
+   block and unpacked into a receive buffer of the same block and size; for
+   every ordered pair of devices, sends and receives are posted in the same
+   order (a transport may match by order, as NCCL does); and a symbolic run
+   of all programs (rendezvous semantics) finishes: no deadlock.
 6. Per-device buffer memory stays under ``ir.memory_cap`` in each phase.
 
 Beyond the invariants, everything the runtime relies on is checked: every
 opcode is legal in its phase, every operand names what the instruction set
-(:data:`attnplan.ir.program.ISA`) says it names (a transfer of this phase and
-this device, the transfer's peer, an existing buffer of the right kind and
-role, a compute block placed on this device), buffer tables hold only the
+(:data:`attnplan.ir.program.ISA`) says it names (a message of this phase and
+this device, the message's peer, an existing buffer of the right kind and
+role, a compute block placed on this device), the message table is a CSR
+index of the transfer table, buffer tables hold only the
 kinds of their phase with their canonical sizes, and every array has the
 shape and the value ranges the levels promise.
 
@@ -234,7 +239,9 @@ def _keys(tb, hg, dev, g: BlockGraph, devices: int) -> np.ndarray:
     return (np.asarray(tb) * g.n_hg + np.asarray(hg)) * devices + np.asarray(dev)
 
 
-def _check_xfer_table(g: BlockGraph, pl: Placement, s: Schedule) -> None:
+def _check_xfer_table(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
+    """The schedule's shapes and ranges; returns the columns of ``xfer`` (its
+    transpose, contiguous)."""
     if not isinstance(s.stages, (int, np.integer)) or s.stages < 1:
         _fail(3, f"schedule has {s.stages} stages; it needs at least one")
     _shape(s.cb_stage, (g.n_cb,), "schedule.cb_stage (one stage per compute block)", 3)
@@ -242,21 +249,24 @@ def _check_xfer_table(g: BlockGraph, pl: Placement, s: Schedule) -> None:
     if ((s.cb_stage < 0) | (s.cb_stage >= s.stages)).any():
         _fail(3, "schedule stages do not match the compute blocks")
     x = s.xfer
-    bad = ((x[:, XK] < 0) | (x[:, XK] > X_O) | (x[:, XSRC] < 0) | (x[:, XSRC] >= pl.devices) | (x[:, XDST] < 0)
-           | (x[:, XDST] >= pl.devices) | (x[:, XTB] < 0) | (x[:, XTB] >= g.n_tb) | (x[:, XHG] < 0)
-           | (x[:, XHG] >= g.n_hg) | (x[:, XSRC] == x[:, XDST]) | (x[:, XSTAGE] < 0) | (x[:, XSTAGE] >= s.stages))
+    xt = np.ascontiguousarray(x.T)
+    k, tb, hg, src, dst, st = (xt[c] for c in (XK, XTB, XHG, XSRC, XDST, XSTAGE))
+    bad = ((k < 0) | (k > X_O) | (src < 0) | (src >= pl.devices) | (dst < 0) | (dst >= pl.devices) | (tb < 0)
+           | (tb >= g.n_tb) | (hg < 0) | (hg >= g.n_hg) | (src == dst) | (st < 0) | (st >= s.stages))
     if bad.any():
         _fail(3, f"scheduled transfer {_first(bad)} {x[_first(bad)].tolist()} names a kind, block, device or "
                  f"stage that does not exist")
+    return xt
 
 
-def _check_inputs_delivered(g: BlockGraph, pl: Placement, s: Schedule, kind: int, name: str, cb_tb) -> None:
+def _check_inputs_delivered(g: BlockGraph, pl: Placement, s: Schedule, xt: np.ndarray, kind: int, name: str,
+                            cb_tb) -> None:
     """Each Q (or KV) block reaches a device at most once, never its home;
     a forwarding device holds the block first; every compute block's remote
-    input arrives by its stage."""
-    x, n = s.xfer, pl.devices
-    rows = x[x[:, XK] == kind]
-    tb, hg, src, dst, stage = rows[:, XTB], rows[:, XHG], rows[:, XSRC], rows[:, XDST], rows[:, XSTAGE]
+    input arrives by its stage. ``xt``: the columns of ``s.xfer``."""
+    n = pl.devices
+    sel = xt[XK] == kind
+    tb, hg, src, dst, stage = (xt[c][sel] for c in (XTB, XHG, XSRC, XDST, XSTAGE))
     home = pl.home[tb]
     i = _first(dst == home)
     if i is not None:
@@ -318,9 +328,9 @@ def verify_schedule(g: BlockGraph, pl: Placement, s: Schedule) -> None:
     """Q and KV reach every device that computes with them, once, in time;
     a block is forwarded only by a device that received it in an earlier
     stage; partial outputs go from each computing device to the home."""
-    _check_xfer_table(g, pl, s)
-    _check_inputs_delivered(g, pl, s, X_Q, "Q", g.cb_q)
-    _check_inputs_delivered(g, pl, s, X_KV, "KV", g.cb_k)
+    xt = _check_xfer_table(g, pl, s)
+    _check_inputs_delivered(g, pl, s, xt, X_Q, "Q", g.cb_q)
+    _check_inputs_delivered(g, pl, s, xt, X_KV, "KV", g.cb_k)
     _check_partials_scheduled(g, pl, s)
 
 

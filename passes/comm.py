@@ -33,15 +33,21 @@ def _rows(kind, r, stage) -> np.ndarray:
 
 
 def ring_kv(g, pl) -> tuple[np.ndarray, np.ndarray]:
-    """Ring traffic: (schedule rows of KV, stage of every compute block)."""
+    """Ring traffic: (schedule rows of KV, stage of every compute block).
+    Rows come by stage, then sending device (block order within): the order
+    of the messages they travel in."""
     n = pl.devices
     tb = np.repeat(np.arange(g.n_tb), g.n_hg)
     hg = np.tile(np.arange(g.n_hg), g.n_tb)
     h = pl.home[tb]
     hop = np.arange(1, n)
-    tb_, hg_, h_ = (np.repeat(a, n - 1) for a in (tb, hg, h))
-    s = np.tile(hop, len(tb))
-    rows = np.column_stack([np.full(len(s), X_KV), tb_, hg_, (h_ + s - 1) % n, (h_ + s) % n, s])
+    s = np.repeat(hop, len(tb))
+    tb_, hg_, h_ = (np.tile(a, n - 1) for a in (tb, hg, h))
+    src = (h_ + s - 1) % n
+    order = np.argsort(src.astype(np.uint16), kind="stable")  # radix sorts (devices < 2^16): by stage, then source
+    order = order[np.argsort(s[order].astype(np.uint16), kind="stable")]
+    s, tb_, hg_, src = s[order], tb_[order], hg_[order], src[order]
+    rows = np.column_stack([np.full(len(s), X_KV), tb_, hg_, src, (src + 1) % n, s])
     stage = (pl.cb_device - pl.home[g.cb_k]) % n
     return rows.astype(np.int64).reshape(-1, 6), stage.astype(np.int64)
 

@@ -1,17 +1,37 @@
 """emit: lower a scheduled placement to per-device instruction streams.
 
+Messages: every block that moves is a transfer (the schedule's rows, and the
+backward ones that follow from them), and the transfers that travel between
+the same two devices in the same phase and stage become one message: one
+``send``, ``recv`` and ``wait`` on each side, one latency, one contiguous
+buffer on the wire. A data block's stage is its schedule stage (the stage
+whose compute needs it); a partial output's is the compute stage in which
+its sender sends it home (with ``overlap``, the stage of its last write;
+without, the device's last stage), so coalescing never delays a block past
+the point where its compute or its send would have happened. Message ids
+follow the order in which both sides post them — by phase, posting stage,
+data before partials, stage, destination, source — and every device posts
+its sends and its receives in id order, so between two devices sends and
+receives are posted in the same order (a transport may match by order, as
+NCCL). A message's transfers are contiguous in the transfer table (by
+message, then table order), its CSR index; each device's receive buffers
+are numbered in table order (kind, then the schedule's order).
+
 Per device and phase, stage by stage:
 
-* a Q/KV transfer of stage ``s`` must complete before compute stage ``s``.
-  With ``schedule.overlap`` it is posted at the start of stage ``s-1`` (so it
-  flies during that stage's compute) and waited lazily, right before the first
-  compute block that reads it; without, it is posted and waited at the start
-  of stage ``s``;
-* a device forwarding a block it received (ring traffic) waits for it first;
+* a data message of stage ``s`` (Q, KV) must complete before compute stage
+  ``s``. With ``schedule.overlap`` it is posted at the start of stage ``s-1``
+  (so it flies during that stage's compute) and waited lazily, right before
+  the first compute block that reads one of its blocks; without, it is
+  posted and waited at the start of stage ``s``;
+* a device forwarding blocks it received (ring traffic) waits for the
+  messages that brought them first;
 * compute blocks run by stage, those needing nothing remote first;
-* partial outputs (forward O; backward dQ and dKV) are sent home right after
-  their last write with ``overlap``, else after the last stage; receives of
-  partials are posted up front and merged at the end;
+* partial outputs (forward O; backward dQ and dKV) go home in one message
+  per destination and stage, sent right after the last write of its last
+  partial with ``overlap``, else after the device's last block; the home
+  posts its receive at the start of that stage and waits and merges it at
+  the end;
 * finally every own send is waited.
 
 Backward mirrors the forward routes: Q bundles (q, out, dout, lse) and KV
@@ -21,7 +41,7 @@ home, summed in fp32.
 Cost follows the work, not devices × work: every instruction of every device
 is an event row tagged with its device and its place in that device's
 program (stage, section, position); one stable sort of all events puts each
-device's stream in program order, a receive is waited at its first use
+device's stream in program order, a message is waited at its first use
 (the first of its conditional waits), and the streams are split by device
 at the end. Buffer indices are local to a device, computed from per-device
 counts.
@@ -37,16 +57,19 @@ from ..errors import PlanError, VerifyError
 from ..ir.graph import BlockGraph
 from ..ir.module import PlanIR
 from ..ir.placement import Placement
-from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, HOME, KINDS, MERGE, PART,
-                          PHASES, RECV, RECVD, SEND, T_BYTES, T_DST, T_HG, T_KIND, T_PHASE, T_SRC, T_TAG, T_TB,
-                          WAIT, Program, buffer_bytes)
+from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, HOME, KINDS, M_COLS, M_DST,
+                          M_PHASE, M_SRC, M_START, MERGE, PART, PHASES, RECV, RECVD, SEND, T_BYTES, T_COLS, T_DST, T_HG,
+                          T_KIND, T_PHASE, T_RBUF, T_SBUF, T_SRC, T_TAG, T_TB, WAIT, Program, buffer_bytes)
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, Schedule
 from ..ir.verify import needed_transfers
 from .base import Pass
 
-_DATA = (B_Q, B_KV)
-T_STAGE = 8  # the transfer table's extra column (the program keeps the first 8)
 _I64 = np.int64
+if (B_Q, B_KV) != (0, 1) or min(B_O, B_DQ, B_DKV) <= B_KV:  # pragma: no cover - _is_data relies on it
+    raise ImportError("attnplan.passes.emit: data kinds must come before the partial kinds")
+if (T_HG - T_TB, T_SRC - T_TB, T_DST - T_TB) != (XHG - XTB, XSRC - XTB, XDST - XTB):  # pragma: no cover
+    raise ImportError("attnplan.passes.emit: the schedule's (tb, hg, src, dst) columns must be in the transfer "
+                      "table's order")
 
 
 def _levels(ir: PlanIR) -> tuple[BlockGraph, Placement, Schedule]:
@@ -58,31 +81,129 @@ def _levels(ir: PlanIR) -> tuple[BlockGraph, Placement, Schedule]:
     return g, pl, s
 
 
-def transfer_table(ir: PlanIR) -> np.ndarray:
-    """All transfers, forward then backward, tagged 0..n-1: rows
-    ``(tag, phase, kind, tb, hg, src, dst, bytes, stage)`` (the program keeps
-    the first 8 columns)."""
+def _check_levels(ir: PlanIR) -> None:
+    """What lowering indexes with, in range (typed errors when the verifier was skipped)."""
+    (_, pl, s), n = _levels(ir), ir.devices
+    _check_devices("home", pl.home, n, "token block")
+    _check_devices("computing", pl.cb_device, n, "compute block")
+    cst = s.cb_stage
+    bad = (cst < 0) | (cst >= s.stages)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise VerifyError(f"emit: device {pl.cb_device[i]}: compute block c{i} is in stage {cst[i]}, outside "
+                          f"0..{s.stages - 1}, so it would never run")
+    x = s.xfer
+    for name, col in (("source", XSRC), ("destination", XDST)):
+        _check_devices(name, x[:, col], n, "scheduled transfer #")
+    bad = (x[:, XSTAGE] < 0) | (x[:, XSTAGE] >= s.stages)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise VerifyError(f"emit: scheduled transfer #{i} is in stage {x[i, XSTAGE]}, outside 0..{s.stages - 1}, "
+                          f"so it would never be posted")
+
+
+def _block_parts(ir: PlanIR) -> tuple[list, list]:
+    """Every block that moves, per phase: (buffer kind, schedule rows
+    ``(kind, tb, hg, src, dst, stage)``) per kind (the partials' stage: the last)."""
     g, pl, s = _levels(ir)
     x = s.xfer
-    last = s.stages - 1
+    xk = x[:, XK]
+    q, kv, o = (x[xk == k] for k in (X_Q, X_KV, X_O))
     dkv = needed_transfers(g, pl)[X_KV]  # (tb, hg, home, device): reversed for dKV partials
-    dkv_rows = np.column_stack([np.full(len(dkv), X_KV), dkv[:, 0], dkv[:, 1], dkv[:, 3], dkv[:, 2],
-                                np.full(len(dkv), last)]).reshape(-1, 6)
-    fwd = [(B_Q, x[x[:, XK] == X_Q]), (B_KV, x[x[:, XK] == X_KV]), (B_O, x[x[:, XK] == X_O])]
-    bwd = [(B_Q, fwd[0][1]), (B_KV, fwd[1][1]), (B_DQ, fwd[2][1]), (B_DKV, dkv_rows)]
-    parts = []
-    for phase, items in ((FWD, fwd), (BWD, bwd)):
-        for kind, rows in items:
-            nbytes = buffer_bytes(g, phase, kind, rows[:, XTB], rows[:, XHG])
-            parts.append(np.column_stack([np.full(len(rows), phase), np.full(len(rows), kind), rows[:, XTB],
-                                          rows[:, XHG], rows[:, XSRC], rows[:, XDST], nbytes, rows[:, XSTAGE]]))
-    t = np.concatenate(parts).astype(_I64) if parts else np.zeros((0, 8), _I64)
-    return np.column_stack([np.arange(len(t), dtype=_I64), t])
+    dkv = np.column_stack([np.full(len(dkv), X_KV), dkv[:, 0], dkv[:, 1], dkv[:, 3], dkv[:, 2],
+                           np.full(len(dkv), s.stages - 1)]).reshape(-1, 6)
+    return [(B_Q, q), (B_KV, kv), (B_O, o)], [(B_Q, q), (B_KV, kv), (B_DQ, o), (B_DKV, dkv)]
+
+
+def _send_stages(ir: PlanIR, kind, tb, hg, src) -> np.ndarray:
+    """The compute stage in which each partial (``kind``, ``tb``, ``hg``)
+    computed on ``src`` is sent home: with overlap, the stage of its last
+    write there; without, the source's last stage (the last stage where the
+    source writes nothing, which the verifier then rejects)."""
+    g, pl, s = _levels(ir)
+    dev, cst, last = pl.cb_device, s.cb_stage, s.stages - 1
+    if not s.overlap:
+        dev_last = np.full(ir.devices, last, _I64)
+        if len(dev):
+            dev_last[:] = -1
+            np.maximum.at(dev_last, dev, cst)
+            dev_last[dev_last < 0] = last
+        return dev_last[src]
+    out = np.full(len(kind), last, _I64)
+    for by_k in (False, True):  # O and dQ belong to the block's q rows, dKV to its kv rows
+        sel = np.flatnonzero((kind == B_DKV) == by_k)
+        if not len(sel) or not len(dev):
+            continue
+        cb_tb = g.cb_k if by_k else g.cb_q
+        keys, inv = np.unique((dev * g.n_tb + cb_tb) * g.n_hg + g.cb_hg, return_inverse=True)
+        mx = np.full(len(keys), -1, _I64)
+        np.maximum.at(mx, inv.ravel(), cst)
+        want = (src[sel] * g.n_tb + tb[sel]) * g.n_hg + hg[sel]
+        pos = np.minimum(np.searchsorted(keys, want), len(keys) - 1)
+        out[sel] = np.where(keys[pos] == want, mx[pos], last)
+    return out
+
+
+def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """All transfers grouped into messages. Returns ``(X, tmsg, M, post, born)``:
+    ``X`` the program's transfer table, rows ``(tag, phase, kind, tb, hg,
+    src, dst, bytes, sbuf, rbuf)`` sorted by message (tags 0..n-1 in that
+    order; ``sbuf``/``rbuf`` still 0: the phases fill them); ``tmsg`` the
+    message of every transfer; ``M`` the message table (see
+    :class:`~attnplan.ir.program.Program`); ``post`` the stage at whose start
+    both sides post each message; ``born`` the place of every transfer in its
+    phase's table order (kind, then the schedule's order), which numbers the
+    receive buffers (a buffer table in block order compresses well)."""
+    _check_levels(ir)
+    g, s, n = ir.graph, _levels(ir)[2], ir.devices
+    S = s.stages
+    tables: list[np.ndarray] = []
+    msgs: list[np.ndarray] = []
+    posts: list[np.ndarray] = []
+    born: list[np.ndarray] = []
+    for phase, parts in zip((FWD, BWD), _block_parts(ir)):
+        xs = np.concatenate([r for _, r in parts]).astype(_I64)
+        kind = np.repeat(np.array([k for k, _ in parts], _I64), [len(r) for _, r in parts])
+        R = np.empty((len(xs), T_COLS), _I64)
+        at = 0
+        for k, r in parts:
+            template = np.zeros(T_COLS, _I64)
+            template[T_PHASE], template[T_KIND] = phase, k
+            R[at:at + len(r)] = template  # whole rows: phase, kind, and sbuf/rbuf 0 until the phases fill them
+            R[at:at + len(r), T_BYTES] = buffer_bytes(g, phase, k, r[:, XTB], r[:, XHG])
+            at += len(r)
+        R[:, T_TB:T_DST + 1] = xs[:, XTB:XDST + 1]  # the schedule's (tb, hg, src, dst): the table's too
+        src, dst, stage = xs[:, XSRC], xs[:, XDST], xs[:, XSTAGE].copy()
+        data = _is_data(kind)
+        part = np.flatnonzero(~data)
+        stage[part] = _send_stages(ir, kind[part], xs[part, XTB], xs[part, XHG], src[part])
+        post = np.where(data, np.maximum(stage - 1, 0) if s.overlap else stage, stage)
+        # the posting order of both sides: stage of posting, data before partials, stage, destination, source
+        # (any order of the last two would do; this one makes the smallest plan files)
+        key = (((post * 2 + ~data) * S + stage) * n + dst) * n + src
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        new = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, bool)
+        tables.append(R[order])
+        born.append(order)
+        msgs.append(np.cumsum(new) - 1 + sum((len(p) for p in posts), 0))
+        posts.append(post[order][new])
+    X = np.concatenate(tables)
+    X[:, T_TAG] = np.arange(len(X))
+    tmsg = np.concatenate(msgs)
+    start = np.flatnonzero(np.r_[True, tmsg[1:] != tmsg[:-1]]) if len(X) else np.zeros(0, _I64)
+    nm = len(start)
+    M = np.empty((nm, M_COLS), _I64)
+    M[:, 0] = np.arange(nm)
+    M[:, 1:4] = X[start][:, [T_PHASE, T_SRC, T_DST]]
+    M[:, 4], M[:, 5] = start, np.append(start[1:], len(X))
+    M[:, 6] = np.add.reduceat(X[:, T_BYTES], start) if nm else 0
+    return X, tmsg, M, np.concatenate(posts), np.concatenate(born)
 
 
 def _is_data(kind: np.ndarray) -> np.ndarray:
-    """Q or KV (the rest are partial outputs)."""
-    return (kind == B_Q) | (kind == B_KV)
+    """Q or KV (the rest are partial outputs; kinds are B_Q, B_KV, then the partials)."""
+    return kind <= B_KV
 
 
 def _rows(*cols, n: int | None = None) -> np.ndarray:
@@ -104,9 +225,10 @@ def _rank_in_group(group: np.ndarray) -> np.ndarray:
     return np.arange(len(group)) - np.searchsorted(group, group, side="left")
 
 
-def _by_device(rows: np.ndarray, col: int) -> np.ndarray:
-    """Rows stably sorted by the device in column ``col`` (table order within)."""
-    return rows[np.argsort(rows[:, col], kind="stable")]
+def _by_device(devices: np.ndarray) -> np.ndarray:
+    """The stable order of ``devices`` (values below MAX_DEVICES = 256: a
+    radix sort of 16-bit keys, linear)."""
+    return np.argsort(devices.astype(np.uint16), kind="stable")
 
 
 def _check_devices(name: str, values: np.ndarray, n: int, what: str) -> None:
@@ -133,14 +255,24 @@ class _Phase:
     kinds: np.ndarray         # home buffer kinds of the phase, in buffer-table order
     out_kinds: np.ndarray     # what a compute block writes (O; or dQ of its q, dKV of its kv)
     nbytes: np.ndarray        # [len(kinds), n_tb, n_hg] buffer bytes
+    rows: np.ndarray          # the phase's rows of the transfer table (their positions in it)
     inc: np.ndarray           # the phase's transfers sorted by destination (table order within)
+    inc_row: np.ndarray       # ... their rows in the transfer table
+    inc_msg: np.ndarray       # ... their message
     out: np.ndarray           # ... sorted by source
+    out_row: np.ndarray       # ... their rows in the transfer table
+    out_msg: np.ndarray       # ... their message
     m: np.ndarray             # device -> home token blocks
     n_home: np.ndarray        # device -> home buffers
     n_in: np.ndarray          # device -> incoming transfers
     inc_buf: np.ndarray       # local receive buffer of each row of ``inc``
     recv_keys: np.ndarray     # sorted keys (device, kind, tb, hg) of receive buffers
     recv_buf: np.ndarray      # their local buffer (the last received, if a key repeats)
+    msgs: np.ndarray          # the phase's messages (ids, ascending)
+    msg_src: np.ndarray       # ... their source
+    msg_dst: np.ndarray       # ... their destination
+    msg_data: np.ndarray      # ... whether they carry data (Q, KV) or partials
+    post: np.ndarray          # message id -> the stage at whose start both sides post it
 
     @property
     def n_hg(self) -> int:
@@ -181,6 +313,13 @@ class _Phase:
         out[~own] = idx
         return out
 
+    def message_of(self, dev: np.ndarray, buf: np.ndarray) -> np.ndarray:
+        """The message that brings receive buffer ``buf`` of device ``dev``."""
+        if not len(buf):
+            return np.zeros(0, _I64)
+        start = np.searchsorted(self.inc[:, T_DST], np.arange(len(self.n_home)))
+        return self.inc_msg[start[dev] + buf - self.n_home[dev]]
+
 
 def _key(n_tb: int, n_hg: int, dev, kind, tb, hg) -> np.ndarray:
     """One integer per (device, kind, token block, head group)."""
@@ -195,49 +334,55 @@ def _last_of_each(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     return k[last], values[order][last]
 
 
-def _phase(ir: PlanIR, X: np.ndarray, phase: int) -> _Phase:
+def _phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.ndarray, born: np.ndarray,
+           phase: int) -> _Phase:
     (g, pl, s), n = _levels(ir), ir.devices
     kinds = np.array((B_Q, B_KV, B_O) if phase == FWD else (B_Q, B_KV, B_DQ, B_DKV))
     tb = np.repeat(np.arange(g.n_tb), g.n_hg)
     hg = np.tile(np.arange(g.n_hg), g.n_tb)
     nbytes = np.stack([buffer_bytes(g, phase, k, tb, hg).reshape(g.n_tb, g.n_hg) for k in kinds.tolist()])
-    ph = X[X[:, T_PHASE] == phase]
-    _check_devices("home", pl.home, n, "token block")
-    _check_devices("computing", pl.cb_device, n, "compute block")
-    _check_devices("source", ph[:, T_SRC], n, f"{PHASES[phase]} transfer #")
-    _check_devices("destination", ph[:, T_DST], n, f"{PHASES[phase]} transfer #")
-    by_home = np.argsort(pl.home, kind="stable")
+    lo, hi = np.searchsorted(X[:, T_PHASE], [phase, phase + 1])  # the phase is the message order's major key
+    rows = np.arange(lo, hi)
+    ph = X[lo:hi]
+    by_home = _by_device(pl.home)
     rank = np.empty(g.n_tb, _I64)
     rank[by_home] = _rank_in_group(pl.home[by_home])
     m = np.bincount(pl.home, minlength=n)
     n_home = len(kinds) * m * g.n_hg
-    inc = _by_device(ph, T_DST)
+    in_table = np.empty(len(ph), _I64)  # the phase's rows in table order (kind, then the schedule's)
+    in_table[born[lo:hi]] = np.arange(len(ph))
+    io = in_table[_by_device(ph[in_table, T_DST])]  # by destination, table order within: receive buffers
+    inc = ph[io]
     inc_buf = n_home[inc[:, T_DST]] + _rank_in_group(inc[:, T_DST])
     recv_keys, recv_buf = _last_of_each(_key(g.n_tb, g.n_hg, inc[:, T_DST], inc[:, T_KIND], inc[:, T_TB],
                                              inc[:, T_HG]), inc_buf)
+    oo = _by_device(ph[:, T_SRC])
+    msgs = np.flatnonzero(M[:, M_PHASE] == phase)
     return _Phase(g, pl, s, phase, pl.home, rank, kinds, np.array((B_O,) if phase == FWD else (B_DQ, B_DKV)),
-                  nbytes, inc, _by_device(ph, T_SRC), m, n_home, np.bincount(ph[:, T_DST], minlength=n), inc_buf,
-                  recv_keys, recv_buf)
+                  nbytes, rows, inc, rows[io], tmsg[rows[io]], ph[oo], rows[oo], tmsg[rows[oo]], m, n_home,
+                  np.bincount(ph[:, T_DST], minlength=n),
+                  inc_buf, recv_keys, recv_buf, msgs, M[msgs, M_SRC], M[msgs, M_DST],
+                  _is_data(X[M[msgs, M_START], T_KIND]), post)
 
 
 # ---------------------------------------------------------------- buffer tables
 
-def _buffer_tables(sh: _Phase, part_dev: np.ndarray, part_rows: np.ndarray) -> list[np.ndarray]:
-    """Each device's buffer table: home buffers, receive buffers, partials."""
+def _buffer_tables(sh: _Phase, part_dev: np.ndarray, part_rows: np.ndarray, part_buf: np.ndarray) -> list:
+    """Each device's buffer table: home buffers, receive buffers, partials
+    (every row placed at its local index, without a sort)."""
     n_dev, H = len(sh.n_home), sh.n_hg
     k, tb, h = (a.ravel() for a in np.meshgrid(np.arange(len(sh.kinds)), np.arange(len(sh.home)), np.arange(H),
                                               indexing="ij"))
-    order = np.lexsort((h, sh.rank[tb], k, sh.home[tb]))
-    k, tb, h = k[order], tb[order], h[order]
-    kind = sh.kinds[k]
-    home = _rows(kind, tb, h, HOME, -1, sh.nbytes[k, tb, h])
+    dev = sh.home[tb]
+    size = sh.n_home + sh.n_in + np.bincount(part_dev, minlength=n_dev)
+    off = np.cumsum(size) - size
+    table = np.empty((int(size.sum()), 6), _I64)
+    table[off[dev] + (k * sh.m[dev] + sh.rank[tb]) * H + h] = _rows(sh.kinds[k], tb, h, HOME, -1, sh.nbytes[k, tb, h])
     inc = sh.inc
-    recv = _rows(inc[:, T_KIND], inc[:, T_TB], inc[:, T_HG], RECVD, inc[:, T_SRC], inc[:, T_BYTES])
-    dev = np.concatenate([sh.home[tb], inc[:, T_DST], part_dev])
-    section = np.repeat([0, 1, 2], [len(home), len(recv), len(part_rows)])
-    order = np.lexsort((section, dev))
-    table = np.concatenate([home, recv, part_rows.reshape(-1, 6)])[order]
-    return np.split(table, np.cumsum(np.bincount(dev, minlength=n_dev))[:-1])
+    table[off[inc[:, T_DST]] + sh.inc_buf] = _rows(inc[:, T_KIND], inc[:, T_TB], inc[:, T_HG], RECVD, inc[:, T_SRC],
+                                                   inc[:, T_BYTES])
+    table[off[part_dev] + part_buf] = part_rows.reshape(-1, 6)
+    return np.split(table, np.cumsum(size)[:-1])
 
 
 # ---------------------------------------------------------------- compute blocks
@@ -267,11 +412,6 @@ def _compute_order(sh: _Phase):
     first, then q block, kv block and head group."""
     g, pl, s = sh.graph, sh.placement, sh.schedule
     dev, cq, ck, chg, cst = pl.cb_device, g.cb_q, g.cb_k, g.cb_hg, s.cb_stage
-    bad = (cst < 0) | (cst >= s.stages)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise VerifyError(f"emit: device {dev[i]}: compute block c{i} is in stage {cst[i]}, outside "
-                          f"0..{s.stages - 1}, so it would never run")
     remote = (sh.home[cq] != dev) | (sh.home[ck] != dev)
     order = np.lexsort((chg, ck, cq, remote, cst, dev))
     return order, dev[order], cq[order], ck[order], chg[order], cst[order]
@@ -320,7 +460,7 @@ def _compute(sh: _Phase) -> _Compute:
 class _Events:
     """Instructions with their place in their device's program: sorted by
     (device, stage, section, position, sub, tie). ``cond >= 0`` marks a wait
-    for receive buffer ``cond`` that is kept only at its first wait."""
+    for message ``cond`` that is kept only at its first wait."""
 
     order: np.ndarray         # [n, 6]
     code: np.ndarray          # [n, 6]
@@ -368,76 +508,70 @@ def _sort_rows(cols: np.ndarray) -> np.ndarray:
 _POST, _WAIT_POSTED, _COMPUTE = 0, 1, 2
 
 
-def _wait(sh: _Phase, dev: np.ndarray, buf: np.ndarray) -> np.ndarray:
-    """Wait rows for the receive buffers ``buf`` of devices ``dev``."""
-    if not len(buf):
-        return np.zeros((0, 6), _I64)
-    start = np.searchsorted(sh.inc[:, T_DST], np.arange(len(sh.n_home)))
-    return _code(WAIT, sh.inc[start[dev] + buf - sh.n_home[dev], T_TAG])
-
-
-def _post_events(sh: _Phase) -> list[_Events]:
-    """Posting of data transfers: each device's receives then sends of a
-    stage, in table order, at stage ``s-1`` with overlap (else ``s``). A
-    forwarded block is waited before it is sent on; without overlap,
-    receives are waited right after posting."""
-    s = sh.schedule
-    rin = np.flatnonzero(_is_data(sh.inc[:, T_KIND]))
-    inc, rb = sh.inc[rin], sh.inc_buf[rin]
-    sout = sh.out[_is_data(sh.out[:, T_KIND])]
-    stage = np.concatenate([inc[:, T_STAGE], sout[:, T_STAGE]])
-    post = np.maximum(stage - 1, 0) if s.overlap else stage
-    bad = (stage < 0) | (post >= s.stages)
-    if bad.any():
-        i = int(np.argmax(bad))
-        t = np.concatenate([inc, sout])[i]
-        raise VerifyError(f"emit: transfer t{t[T_TAG]} is in stage {stage[i]}, outside 0..{s.stages - 1}, so it "
-                          f"would never be posted")
-    nr = len(inc)
-    n_recv = np.bincount(inc[:, T_DST], minlength=len(sh.n_home))
-    rpos = _rank_in_group(inc[:, T_DST])
-    rdev, sdev = inc[:, T_DST], sout[:, T_SRC]
-    ev = [_Events.make(rdev, post[:nr], _POST, rpos, 0, 0, _code(RECV, inc[:, T_TAG], inc[:, T_SRC], rb))]
+def _post_events(sh: _Phase) -> tuple[list[_Events], np.ndarray]:
+    """Posting of messages: at the start of its posting stage, each device
+    posts its receives, then its data sends, each in message order (a
+    forwarded block's message is waited before the send that forwards it);
+    without overlap, data receives are waited right after posting. Returns
+    the events and the source buffer of every row of ``sh.out`` that is data."""
+    nm = len(sh.post)
+    msg, src, dst, data = sh.msgs, sh.msg_src, sh.msg_dst, sh.msg_data
+    post = sh.post[msg]
+    ev = [_Events.make(dst, post, _POST, msg, 0, 0, _code(RECV, msg, src))]
+    if not sh.schedule.overlap:
+        ev.append(_Events.make(dst[data], post[data], _WAIT_POSTED, msg[data], 0, 0, _code(WAIT, msg[data]),
+                               msg[data]))
+    so = np.flatnonzero(_is_data(sh.out[:, T_KIND]))
+    sout = sh.out[so]
+    sdev = sout[:, T_SRC]
     sb = sh.lookup(sdev, sout[:, T_KIND], sout[:, T_TB], sout[:, T_HG], lambda i: f"transfer t{sout[i, T_TAG]}")
-    sp, spos = post[nr:], n_recv[sdev] + _rank_in_group(sdev)
-    fwd = sh.home[sout[:, T_TB]] != sdev  # forwarding a block received earlier: wait for it first
-    ev.append(_Events.make(sdev[fwd], sp[fwd], _POST, spos[fwd], 0, 0, _wait(sh, sdev[fwd], sb[fwd]), sb[fwd]))
-    ev.append(_Events.make(sdev, sp, _POST, spos, 1, 0, _code(SEND, sout[:, T_TAG], sout[:, T_DST], sb)))
-    if not s.overlap:
-        ev.append(_Events.make(rdev, post[:nr], _WAIT_POSTED, rpos, 0, 0, _wait(sh, rdev, rb), rb))
-    return ev
-
-
+    fwd = np.flatnonzero(sh.home[sout[:, T_TB]] != sdev)  # forwarding a block received earlier: wait for it first
+    if len(fwd):
+        got = sh.message_of(sdev[fwd], sb[fwd])
+        pair = np.unique(sh.out_msg[so[fwd]] * nm + got)
+        m_out, m_in = pair // nm, pair % nm
+        dev = sh.msg_src[np.searchsorted(sh.msgs, m_out)]
+        ev.append(_Events.make(dev, sh.post[m_out], _POST, nm + m_out, 0, m_in, _code(WAIT, m_in), m_in))
+    ev.append(_Events.make(src[data], post[data], _POST, nm + msg[data], 1, 0, _code(SEND, msg[data], dst[data])))
+    return ev, sb
 
 
 def _compute_events(sh: _Phase, c: _Compute) -> list[_Events]:
-    """Per compute block: wait its received operands, run it, then send the
-    partials it wrote last (with overlap; else all after the device's last block)."""
+    """Per compute block: wait the messages of its received operands, run it."""
     ev = []
     for sub, b in ((0, c.qb), (1, c.kb)):
-        rcv = b >= sh.n_home[c.dev]  # operands are home or received, never partial
-        ev.append(_Events.make(c.dev[rcv], c.stage[rcv], _COMPUTE, c.local[rcv], sub, 0,
-                               _wait(sh, c.dev[rcv], b[rcv]), b[rcv]))
+        rcv = np.flatnonzero(b >= sh.n_home[c.dev])  # operands are home or received, never partial
+        m = sh.message_of(c.dev[rcv], b[rcv])
+        ev.append(_Events.make(c.dev[rcv], c.stage[rcv], _COMPUTE, c.local[rcv], sub, 0, _code(WAIT, m), m))
     if sh.phase == FWD:
         attn = _code(ATTN, c.cb, c.qb, c.kb, c.outs[:, 0])
     else:
         attn = _code(ATTN_BWD, c.cb, c.qb, c.kb, c.outs[:, 0], c.outs[:, 1])
     ev.append(_Events.make(c.dev, c.stage, _COMPUTE, c.local, 2, 0, attn))
-    ev.append(_partial_sends(sh, c))
     return ev
 
 
-def _partial_sends(sh: _Phase, c: _Compute) -> _Events:
-    out = sh.out[~_is_data(sh.out[:, T_KIND])]
+def _partial_sends(sh: _Phase, c: _Compute) -> tuple[_Events, np.ndarray, np.ndarray]:
+    """One send per message of partials, right after the last write of its
+    last partial (with overlap; else after the device's last block). Returns
+    the events, and the rows of ``sh.out`` that are partials with their
+    source buffers."""
+    po = np.flatnonzero(~_is_data(sh.out[:, T_KIND]))
+    out = sh.out[po]
     keys = sh.key(out[:, T_SRC], out[:, T_KIND], out[:, T_TB], out[:, T_HG])
     _check_partials(sh, out, keys, c)
-    row = np.argsort(keys)[np.searchsorted(np.sort(keys), c.part_keys)]  # each partial's transfer home
+    srt = np.argsort(c.part_keys)
+    pidx = srt[np.searchsorted(c.part_keys[srt], keys)]  # each transfer's partial
+    p = ~sh.msg_data
+    msg, src, dst = sh.msgs[p], sh.msg_src[p], sh.msg_dst[p]
     if sh.schedule.overlap:
-        anchor = c.part_last
+        last = np.full(len(sh.post), -1, _I64)
+        np.maximum.at(last, sh.out_msg[po], c.part_last[pidx])
+        anchor = last[msg]
     else:  # after the device's last block
-        anchor = np.searchsorted(c.dev, c.part_dev, side="right") - 1
-    return _Events.make(c.part_dev, c.stage[anchor], _COMPUTE, c.local[anchor], 3, c.part_first,
-                        _code(SEND, out[row, T_TAG], out[row, T_DST], c.part_buf))
+        anchor = np.searchsorted(c.dev, src, side="right") - 1
+    ev = _Events.make(src, c.stage[anchor], _COMPUTE, c.local[anchor], 3, msg, _code(SEND, msg, dst))
+    return ev, po, c.part_buf[pidx]
 
 
 def _check_partials(sh: _Phase, out: np.ndarray, keys: np.ndarray, c: _Compute) -> None:
@@ -462,28 +596,21 @@ def _check_partials(sh: _Phase, out: np.ndarray, keys: np.ndarray, c: _Compute) 
 
 
 def _program_order(ev: _Events):
-    """Events in program order, each receive waited only at its first wait.
-    Returns ((device, code), (device, buffer) of every waited receive)."""
+    """Events in program order, each message waited only at its first
+    conditional wait. Returns ((device, code), the messages so waited)."""
     dev, code, cond = ev.in_order()
     c = np.flatnonzero(cond >= 0)
-    span = int(cond.max(initial=0)) + 1
-    waited, first = np.unique(dev[c] * span + cond[c], return_index=True)
+    waited, first = np.unique(cond[c], return_index=True)  # a message has one receiver: its id is the key
     keep = np.ones(len(code), bool)
     keep[c] = False
     keep[c[first]] = True
-    return (dev[keep], code[keep]), (waited // span, waited % span)
+    return (dev[keep], code[keep]), waited
 
 
-def _prelude(sh: _Phase) -> _Events:
-    """Receives of partials, posted up front."""
-    p = np.flatnonzero(~_is_data(sh.inc[:, T_KIND]))
-    inc = sh.inc[p]
-    return _Events.make(inc[:, T_DST], 0, 0, p, 0, 0, _code(RECV, inc[:, T_TAG], inc[:, T_SRC], sh.inc_buf[p]))
-
-
-def _tail(sh: _Phase, waited) -> _Events:
-    """After the last stage: wait and merge every received partial (in
-    arrival order), wait forwarded blocks never read there, wait own sends."""
+def _tail(sh: _Phase, waited: np.ndarray) -> _Events:
+    """After the last stage: wait each message of partials and merge its
+    blocks (in message order), wait data messages never read there, wait
+    own sends."""
     inc = sh.inc
     p = np.flatnonzero(~_is_data(inc[:, T_KIND]))
     at_home = sh.home[inc[p, T_TB]] == inc[p, T_DST]
@@ -493,17 +620,13 @@ def _tail(sh: _Phase, waited) -> _Events:
                           f"[tb{t[T_TB]},hg{t[T_HG]}] (transfer t{t[T_TAG]}) for a block that is not home there")
     merge = np.where(inc[p, T_KIND] == B_O, MERGE, ADD)
     home_b = sh.home_index(inc[p, T_KIND], inc[p, T_TB], inc[p, T_HG])
-    pd = inc[p, T_DST]
-    ev = [_Events.make(pd, 0, 0, 2 * p, 0, 0, _code(WAIT, inc[p, T_TAG])),
-          _Events.make(pd, 0, 0, 2 * p + 1, 0, 0, _code(merge, home_b, sh.inc_buf[p]))]
-    d = np.flatnonzero(_is_data(inc[:, T_KIND]))
-    span = int(sh.inc_buf.max(initial=0)) + 1
-    wd, wb = waited
-    read = np.isin(inc[d, T_DST] * span + sh.inc_buf[d], wd * span + wb)
-    u = d[~read]
-    ev.append(_Events.make(inc[u, T_DST], 0, 1, u, 0, 0, _code(WAIT, inc[u, T_TAG])))
-    out = sh.out
-    ev.append(_Events.make(out[:, T_SRC], 0, 2, np.arange(len(out)), 0, 0, _code(WAIT, out[:, T_TAG])))
+    pd, pm = inc[p, T_DST], sh.inc_msg[p]
+    part, data = ~sh.msg_data, sh.msg_data
+    ev = [_Events.make(sh.msg_dst[part], 0, 0, sh.msgs[part], 0, 0, _code(WAIT, sh.msgs[part])),
+          _Events.make(pd, 0, 0, pm, 1, p, _code(merge, home_b, sh.inc_buf[p]))]
+    unread = data & ~np.isin(sh.msgs, waited)
+    ev.append(_Events.make(sh.msg_dst[unread], 0, 1, sh.msgs[unread], 0, 0, _code(WAIT, sh.msgs[unread])))
+    ev.append(_Events.make(sh.msg_src, 0, 2, sh.msgs, 0, 0, _code(WAIT, sh.msgs)))
     return _Events.concat(ev)
 
 
@@ -520,24 +643,31 @@ def _streams(n_dev: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[np.
     return np.split(out, np.cumsum(counts.sum(axis=0))[:-1])
 
 
-def _emit_phase(ir: PlanIR, X: np.ndarray, phase: int) -> tuple[list, list]:
-    """Every device's buffer table and instruction stream of one phase."""
-    sh = _phase(ir, X, phase)
+def _emit_phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.ndarray, born: np.ndarray,
+                phase: int) -> tuple[list, list]:
+    """Every device's buffer table and instruction stream of one phase; fills
+    the phase's source and receive buffer columns of ``X``."""
+    sh = _phase(ir, X, tmsg, M, post, born, phase)
     c = _compute(sh)
-    body, waited = _program_order(_Events.concat(_post_events(sh) + _compute_events(sh, c)))
-    prelude, tail = (ev.in_order()[:2] for ev in (_prelude(sh), _tail(sh, waited)))
-    code = _streams(len(sh.n_home), [prelude, body, tail])
-    return _buffer_tables(sh, c.part_dev, c.part_rows), code
+    posts, data_sb = _post_events(sh)
+    sends, po, part_sb = _partial_sends(sh, c)
+    body, waited = _program_order(_Events.concat(posts + _compute_events(sh, c) + [sends]))
+    tail = _tail(sh, waited).in_order()[:2]
+    code = _streams(len(sh.n_home), [body, tail])
+    X[sh.inc_row, T_RBUF] = sh.inc_buf
+    X[sh.out_row[_is_data(sh.out[:, T_KIND])], T_SBUF] = data_sb
+    X[sh.out_row[po], T_SBUF] = part_sb
+    return _buffer_tables(sh, c.part_dev, c.part_rows, c.part_buf), code
 
 
 def emit(ir: PlanIR) -> Program:
-    X = transfer_table(ir)
+    X, tmsg, M, post, born = transfer_table(ir)
     bufs, code = [], []
     for phase in (FWD, BWD):
-        b, c = _emit_phase(ir, X, phase)
+        b, c = _emit_phase(ir, X, tmsg, M, post, born, phase)
         bufs.append(tuple(b))
         code.append(tuple(c))
-    return Program(ir.devices, X[:, :8], tuple(bufs), tuple(code))
+    return Program(ir.devices, X, tuple(bufs), tuple(code), M)
 
 
 @dataclass(frozen=True, slots=True)

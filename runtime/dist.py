@@ -5,16 +5,19 @@ the default group). Each rank holds only its local tokens (its home token
 blocks in increasing order, see :mod:`attnplan.runtime.layout`) and runs its
 own forward and backward streams with the same
 :class:`~attnplan.runtime.runner.DeviceRunner` as the in-process executor,
-through :class:`TorchTransport`: every ``recv``/``send`` becomes a tagged
-``irecv``/``isend`` posted where the program posts it and waited where the
-program waits, so a stage's transfers run while earlier compute blocks run.
-A transfer is one message (the buffer's tensors packed into one flat
-allocation). Gloo matches messages by tag; a message's tag is the transfer's
-tag offset by a per-call *generation*, so transfers of two attention calls
-can never be mixed up even if autograd ran their backwards in different
-orders on different ranks. (NCCL ignores tags and matches by posting order
-per pair of ranks; the kernels are CPU-only for now, so CUDA tensors are
-refused before any transfer.)
+through :class:`TorchTransport`: every ``recv``/``send`` of a message becomes
+one tagged ``irecv``/``isend`` posted where the program posts it and waited
+where the program waits, so a stage's messages fly while earlier compute
+blocks run. A message is one contiguous buffer on the wire: the sender packs
+the buffers of its transfers into one flat tensor (one ``torch.cat``), the
+receiver receives into one flat tensor and views it as its receive buffers.
+Gloo matches messages by tag; a message's tag is its id offset by a per-call
+*generation*, so messages of two attention calls can never be mixed up even
+if autograd ran their backwards in different orders on different ranks.
+(NCCL ignores tags and matches by posting order per pair of ranks; the
+verifier proves every pair posts its sends and receives in the same order.
+The kernels are CPU-only for now, so CUDA tensors are refused before any
+transfer.)
 
 Backward transfers are issued by :class:`DistAttention`'s backward, a custom
 ``torch.autograd.Function``, in the plan's order on every rank — never by
@@ -32,9 +35,9 @@ count, the plan's head counts and head dim, one floating dtype
 ``monitored_barrier`` that names missing ranks, then an all_gather of a
 fingerprint of the plan, dtype and shapes) proves every rank holds the same
 plan and inputs of the same dtype and shape (:class:`PlanError` /
-:class:`ShapeError` naming the ranks that differ). A transfer that does not
+:class:`ShapeError` naming the ranks that differ). A message that does not
 complete within ``timeout`` seconds, or whose peer died, raises
-:class:`TransportError` naming the peer and the transfer key.
+:class:`TransportError` naming the peer and the message.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import torch.distributed as dist
 
 from ..errors import PlanError, ShapeError
 from ..ir import limits
-from ..ir.interp import transfer_key
+from ..ir.interp import message_key
 from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD, PHASES
 from . import layout
@@ -135,7 +138,7 @@ class TorchTransport:
 
     def __init__(self, program, device: int, info: GroupInfo, generation: int, timeout: float):
         self.program, self.device, self.info, self.timeout = program, device, info, timeout
-        self.base = generation * len(program.transfers)
+        self.base = generation * len(program.messages)
         self.pending: dict[int, tuple] = {}
 
     def _tag(self, tag: int) -> int:
@@ -153,11 +156,11 @@ class TorchTransport:
                    f"(it is stuck, slow, or runs another plan)")
         else:
             why = f"peer device {peer} (rank {self.info.ranks[peer]}) failed"
-        return TransportError(f"device {self.device} (rank {self.info.ranks[self.device]}): transfer "
-                              f"{transfer_key(self.program, tag)}: {why} [{msg[:160]}]")
+        return TransportError(f"device {self.device} (rank {self.info.ranks[self.device]}): message "
+                              f"{message_key(self.program, tag)}: {why} [{msg[:160]}]")
 
     def post_send(self, tag: int, peer: int, tensors, flat=None) -> None:
-        wire = flat if flat is not None else pack(tensors)  # one message a transfer
+        wire = flat if flat is not None else pack(tensors)  # one contiguous buffer a message
         try:
             works = [dist.isend(wire, self.info.ranks[peer], group=self.info.group, tag=self._tag(tag))]
         except RuntimeError as e:
@@ -219,6 +222,7 @@ def _fingerprint_parts(ir: PlanIR):
         yield "graph." + name, getattr(g, name)
     yield "home", pl.home
     yield "transfers", prog.transfers
+    yield "messages", prog.messages
     for phase in (FWD, BWD):
         for d in range(prog.devices):
             yield f"buffers{phase}.{d}", prog.buffers[phase][d]
@@ -291,7 +295,7 @@ def _next_generation(plan_ir, info: GroupInfo) -> int:
     key = (id(info.group), info.ranks)
     n = _GENERATIONS.get(key, 0)
     _GENERATIONS[key] = n + 1
-    window = max(1, min(1 << 12, _MAX_TAG // max(1, len(plan_ir.program.transfers))))
+    window = max(1, min(1 << 12, _MAX_TAG // max(1, len(plan_ir.program.messages))))
     return n % window
 
 

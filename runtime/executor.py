@@ -3,12 +3,13 @@
 Each device is a :class:`~attnplan.runtime.runner.DeviceRunner` (the same
 runner the distributed executor uses) whose home buffers are views of the
 global tensors. Devices take turns in the cooperative walk of
-:mod:`attnplan.ir.interp`: a device runs until it waits on a transfer whose
+:mod:`attnplan.ir.interp`: a device runs until it waits on a message whose
 other side is not yet posted. The transport is an in-memory mailbox: the data
-moves when the second side of a transfer is posted (MPI semantics: a send's
+of a message (the tensors of its transfers' buffers) moves when its second
+side is posted (MPI semantics: a send's
 tensors are not modified before its wait, which cannot pass before then). A
 round in which no device moves raises :class:`DeadlockError` naming the
-devices and transfer keys.
+devices and messages.
 
 Forward and backward go through :class:`PlanAttention`, a custom
 ``torch.autograd.Function``: every compute block's backward uses the global
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import PlanError, ShapeError
-from ..ir.interp import cooperate, transfer_key
+from ..ir.interp import cooperate, message_key
 from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD
 from .kernels import check_scale, settle_rows_without_mass
@@ -50,7 +51,7 @@ class Mailbox:
 
     def _meet(self, tag: int, src, dst) -> None:
         if len(src) != len(dst) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(src, dst)):
-            raise PlanError(f"transfer {transfer_key(self.program, tag)}: the sender's buffer "
+            raise PlanError(f"message {message_key(self.program, tag)}: the sender's buffers "
                             f"{[(tuple(a.shape), a.dtype) for a in src]} does not match the receiver's "
                             f"{[(tuple(b.shape), b.dtype) for b in dst]}")
         for a, b in zip(src, dst):

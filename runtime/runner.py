@@ -9,19 +9,23 @@ A runner is given
 * ``home``: its home buffers bound to tensors (views of the caller's q, k, v,
   out, lse, dout, dq, dk, dv; see :func:`home_bindings`), and
 * a ``transport`` (:mod:`attnplan.runtime.transport`) with ``post_send``,
-  ``post_recv`` and ``wait`` — the three transfer instructions of
+  ``post_recv`` and ``wait`` — the three message instructions of
   :mod:`attnplan.ir.program`, with their semantics: a posted send's tensors
   are not modified until its ``wait``; a receive's tensors hold the data
   after its ``wait``.
 
-Receive buffers are allocated from the buffer table when the receive is
-posted (:func:`buffer_shapes`: what each kind of buffer holds), all tensors
-of one buffer in one flat allocation so that a transfer is one message
-(:func:`packed_empty`; a send packs its tensors the same way); partial
-accumulators are created by their first write; a buffer that is not a home
-buffer is dropped after its last use in the stream. A ``send`` may forward a
-buffer that was received (ring traffic), a ``merge``/``add`` may target any
-buffer; a target that holds nothing yet takes a copy of the source.
+A message carries the buffers of its transfers as one contiguous buffer: a
+``recv`` allocates one flat tensor for all of them, laid out as the
+transfers' buffers in order (:func:`buffer_shapes`: what each kind of buffer
+holds; :func:`packed_empty`), and binds each receive buffer to its views
+into it; a ``send`` hands the transport the tensors of its transfers' source
+buffers, which it packs into one flat tensor the same way (:func:`pack`: one
+``torch.cat`` of their flattened bytes). Partial accumulators are created by
+their first write; a buffer that is not a home buffer is dropped after its
+last use in the stream (a send of a message uses the buffers it packs). A
+message may forward buffers that were received (ring traffic), a
+``merge``/``add`` may target any buffer; a target that holds nothing yet
+takes a copy of the source.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import numpy as np
 import torch
 
 from ..errors import PlanError, ShapeError
-from ..ir.program import (ADD, ARG_BUF, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BK, BROLE, BTB, BHG, FWD, HOME,
-                          ISA, KINDS, MERGE, OP, OPS, PHASES, RECV, SEND, WAIT)
+from ..ir.program import (A1, ADD, ARG_BUF, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BHG, BK, BROLE, BTB, FWD,
+                          HOME, ISA, KINDS, M_DST, M_END, M_PHASE, M_SRC, M_START, MERGE, OP, OPS, PHASES, RECV, SEND,
+                          T_RBUF, T_SBUF, WAIT)
 from . import kernels
 
 NEG_INF = float("-inf")
@@ -127,11 +132,16 @@ def packed_empty(specs, zero: bool = False):
 
 
 def pack(tensors) -> torch.Tensor:
-    """Copy ``tensors`` into one flat uint8 tensor laid out as :func:`packed_empty`."""
-    flat, views = packed_empty([(tuple(t.shape), t.dtype) for t in tensors])
-    for v, t in zip(views, tensors):
-        v.copy_(t)
-    return flat
+    """One flat uint8 tensor holding ``tensors`` laid out as :func:`packed_empty`
+    (one ``torch.cat`` of their bytes, each padded to the alignment)."""
+    parts = []
+    for t in tensors:
+        b = t.contiguous().reshape(-1).view(torch.uint8)
+        pad = -len(b) % _ALIGN
+        parts.append(b)
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
 
 
 def home_bindings(graph, program, phase: int, device: int, tensors: dict, row0) -> dict:
@@ -166,21 +176,44 @@ def home_bindings(graph, program, phase: int, device: int, tensors: dict, row0) 
     return st
 
 
-def _last_use(code: np.ndarray, nbuf: int) -> np.ndarray:
-    """Index of the last instruction that names each buffer (−1: none)."""
+def _message_buffers(program, phase: int, device: int, code: np.ndarray) -> dict:
+    """For every message this device's stream sends or receives: the local
+    buffers its transfers pack (a send) or unpack into (a receive), in
+    transfer order."""
+    M, X = program.messages, program.transfers
+    out = {}
+    for op, col in ((SEND, T_SBUF), (RECV, T_RBUF)):
+        for m in code[code[:, OP] == op, A1].tolist():
+            if not 0 <= m < len(M):
+                raise PlanError(f"{PHASES[phase]} device {device}: {OPS[op]} names message m{m}, which does not "
+                                f"exist ({len(M)} messages)")
+            out[(op, m)] = X[M[m, M_START]:M[m, M_END], col].tolist()
+    return out
+
+
+def _last_use(code: np.ndarray, nbuf: int, msg_bufs: dict) -> np.ndarray:
+    """Index of the last instruction that names each buffer, or sends or
+    receives it in a message (−1: none)."""
     last = np.full(nbuf, -1, np.int64)
     for spec in ISA:
         rows = np.flatnonzero(code[:, OP] == spec.code)
         for c in spec.cols(ARG_BUF) if len(rows) else ():
             np.maximum.at(last, code[rows, c], rows)
+    for op in (SEND, RECV):
+        for i in np.flatnonzero(code[:, OP] == op).tolist():
+            b = np.asarray(msg_bufs[(op, int(code[i, A1]))], np.int64)
+            last[b] = np.maximum(last[b], i)
     return last
 
 
-def check_stream(code: np.ndarray, bufs: np.ndarray, phase: int, device: int) -> None:
+def check_stream(code: np.ndarray, bufs: np.ndarray, phase: int, device: int, program=None,
+                 msg_bufs: dict | None = None) -> None:
     """What the runner relies on, checked before it runs (a plan whose
     verification was skipped, or a crafted one): known opcodes legal in
     ``phase``, buffer operands inside the buffer table and of the kinds the
-    instruction set allows. :class:`PlanError` naming the first bad instruction."""
+    instruction set allows, and messages of this phase between this device
+    and another whose buffers are in the table. :class:`PlanError` naming the
+    first bad instruction."""
     ops = code[:, OP]
     where = f"{PHASES[phase]} device {device} instruction"
     bad = np.flatnonzero((ops < 0) | (ops >= len(ISA)))
@@ -203,6 +236,19 @@ def check_stream(code: np.ndarray, bufs: np.ndarray, phase: int, device: int) ->
                 raise PlanError(f"{where} {int(rows[n])} ({spec.name}): operand {spec.operands[j]} names buffer "
                                 f"%{int(b[n])}, {what}; {spec.name} needs "
                                 f"{' or '.join(KINDS[k] for k in spec.kinds[j])}")
+    if program is None or msg_bufs is None:
+        return
+    M = program.messages
+    for i in np.flatnonzero((ops == SEND) | (ops == RECV)).tolist():
+        op, m = int(ops[i]), int(code[i, A1])
+        side = M_SRC if op == SEND else M_DST
+        if M[m, M_PHASE] != phase or M[m, side] != device:
+            raise PlanError(f"{where} {i} ({OPS[op]}): message m{m} is not a {PHASES[phase]} message "
+                            f"{'from' if op == SEND else 'to'} device {device}")
+        b = np.asarray(msg_bufs[(op, m)], np.int64)
+        if len(b) and (b.min() < 0 or b.max() >= len(bufs)):
+            raise PlanError(f"{where} {i} ({OPS[op]}): message m{m} names a buffer outside its buffer table of "
+                            f"{len(bufs)}")
 
 
 def _same_shapes(dst: tuple, src: tuple, dst_name: str, src_name: str) -> None:
@@ -226,13 +272,13 @@ class DeviceRunner:
         code = program.code[phase][device]
         self.code = code.tolist()
         self.st = dict(home)
-        self.flat: dict[int, torch.Tensor] = {}  # buffers allocated here: their one flat tensor
         self.home = {int(b) for b in np.flatnonzero(self.bufs[:, BROLE] == HOME)}
         self.transport, self.scale, self.dtype = transport, scale, dtype
         self.compute = compute
         self.timings = timings if timings is not None else Timings()
-        check_stream(code, self.bufs, phase, device)
-        last = _last_use(code, len(self.bufs))
+        self.msg_bufs = _message_buffers(program, phase, device, code)
+        check_stream(code, self.bufs, phase, device, program, self.msg_bufs)
+        last = _last_use(code, len(self.bufs), self.msg_bufs)
         self.free_after: dict[int, list[int]] = {}
         for b in np.flatnonzero(last >= 0).tolist():
             if b not in self.home:
@@ -243,11 +289,25 @@ class DeviceRunner:
         self._t0: float | None = None
 
     # buffers -----------------------------------------------------------------
-    def alloc(self, b: int, zero: bool = False):
-        """Buffer ``b``'s tensors, views into one flat allocation (kept in ``self.flat``)."""
+    def specs(self, b: int) -> tuple:
+        """``(shape, dtype)`` of each tensor of buffer ``b``."""
         kind, tb, hg = (int(x) for x in self.bufs[b][[BK, BTB, BHG]])
-        self.flat[b], views = packed_empty(buffer_shapes(self.g, self.phase, kind, tb, hg, self.dtype), zero)
-        return views
+        return buffer_shapes(self.g, self.phase, kind, tb, hg, self.dtype)
+
+    def alloc(self, b: int, zero: bool = False):
+        """Buffer ``b``'s tensors, views into one flat allocation."""
+        return packed_empty(self.specs(b), zero)[1]
+
+    def alloc_message(self, bufs: list) -> tuple[torch.Tensor, list]:
+        """One flat tensor for the buffers ``bufs`` of a received message, laid
+        out in order, and each buffer's views into it."""
+        specs = [self.specs(b) for b in bufs]
+        flat, views = packed_empty([x for sp in specs for x in sp])
+        out, at = [], 0
+        for sp in specs:
+            out.append(views[at:at + len(sp)])
+            at += len(sp)
+        return flat, out
 
     def _get(self, b: int, i: int):
         try:
@@ -273,15 +333,18 @@ class DeviceRunner:
             self.transport.wait(row[1])
             tm.wait += time.perf_counter() - t0
         elif op == RECV:
-            b = row[3]
-            self.st[b] = bufs = self.alloc(b)
-            self.transport.post_recv(row[1], row[2], bufs, self.flat[b])
-            tm.bytes_recv += sum(x.numel() * x.element_size() for x in bufs)
+            bufs = self.msg_bufs[(RECV, row[1])]
+            flat, views = self.alloc_message(bufs)
+            for b, v in zip(bufs, views):
+                self.st[b] = v
+            tensors = tuple(x for v in views for x in v)
+            self.transport.post_recv(row[1], row[2], tensors, flat)
+            tm.bytes_recv += flat.numel()
             tm.post += time.perf_counter() - t0
         elif op == SEND:
-            bufs = self._get(row[3], i)
-            self.transport.post_send(row[1], row[2], bufs, self.flat.get(row[3]))
-            tm.bytes_sent += sum(x.numel() * x.element_size() for x in bufs)
+            tensors = tuple(x for b in self.msg_bufs[(SEND, row[1])] for x in self._get(b, i))
+            self.transport.post_send(row[1], row[2], tensors, None)
+            tm.bytes_sent += sum(x.numel() * x.element_size() for x in tensors)
             tm.post += time.perf_counter() - t0
         elif self.compute:
             try:
@@ -292,7 +355,6 @@ class DeviceRunner:
         tm.instructions += 1
         for b in self.free_after.get(i, ()):
             self.st.pop(b, None)
-            self.flat.pop(b, None)
         self.pc = i + 1
         if self.pc == len(self.code):
             self.finish()

@@ -1,15 +1,17 @@
 """The transport interface the per-device runner uses, and its error.
 
-A transport moves the tensors of a buffer between two devices; the runner
-calls, for each transfer instruction of :mod:`attnplan.ir.program`:
+A transport moves one message — the tensors of the buffers of its transfers —
+between two devices; the runner calls, for each message instruction of
+:mod:`attnplan.ir.program` (``tag`` is the message id):
 
-* ``post_send(tag, peer, tensors, flat)``: start sending ``tensors``; they
-  are not modified until ``wait(tag)`` returns; ``flat`` is None or one
-  uint8 tensor already holding them packed (a received buffer forwarded);
+* ``post_send(tag, peer, tensors, flat)``: start sending ``tensors`` as one
+  message; they are not modified until ``wait(tag)`` returns; ``flat`` is
+  None (the transport packs them with ``runner.pack``) or one uint8 tensor
+  already holding them packed;
 * ``post_recv(tag, peer, tensors, flat)``: start receiving into ``tensors``
-  (allocated from the buffer table as views into the uint8 tensor ``flat``,
-  laid out by ``runner.packed_empty``);
-* ``wait(tag)``: block until transfer ``tag`` completed on this side.
+  (allocated from the buffer table as views into the one uint8 tensor
+  ``flat``, laid out by ``runner.packed_empty``);
+* ``wait(tag)``: block until message ``tag`` completed on this side.
 
 Implementations: the in-memory mailbox of the in-process executor
 (:mod:`attnplan.runtime.executor`) and tagged ``isend``/``irecv`` over

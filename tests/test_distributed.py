@@ -103,7 +103,7 @@ def test_training_step_through_dispatch_and_undispatch():
         assert r["y"] < 1e-6 and r["loss"] < 1e-3 and r["gw"] < 1e-5, r
 
 
-def test_faults_give_typed_errors_naming_peer_and_transfer():
+def test_faults_give_typed_errors_naming_peer_and_message():
     res = run_local(f"{CASES}:faults", 3, timeout=120)
     assert res[1] == ("exit", 0) and res[2] == ("exit", 0), res  # ranks 1 and 2 left on purpose
     assert res[0][0] == "ok", res[0]
@@ -118,11 +118,11 @@ def test_faults_give_typed_errors_naming_peer_and_transfer():
     assert "device(s) 0, 2 hold plan" in msg and "device(s) 1 hold plan" in msg, msg
     assert seen["healthy A"] > 0 and seen["healthy B"] > 0
     kind, msg, dt = seen["dead"]  # rank 2 (device 1 of group B) exited: named at once
-    assert kind == "TransportError" and "peer device 1 (rank 2) died" in msg and "transfer t" in msg, msg
+    assert kind == "TransportError" and "peer device 1 (rank 2) died" in msg and "message m" in msg, msg
     assert dt < 10
-    kind, msg, dt = seen["stalled"]  # rank 1 is asleep: a transfer times out, naming peer and transfer
+    kind, msg, dt = seen["stalled"]  # rank 1 is asleep: a message times out, naming peer and message
     assert kind == "TransportError" and "peer device 1 (rank 1) did not" in msg and "within 1 s" in msg, msg
-    assert "transfer t" in msg and " fwd " in msg and ("d1->d0" in msg or "d0->d1" in msg), msg
+    assert "message m" in msg and " fwd " in msg and ("d1->d0" in msg or "d0->d1" in msg), msg
     assert dt < 2.5
     kind, msg, dt = seen["absent"]  # rank 1 never joins a new plan's handshake
     assert kind == "TransportError" and "handshake" in msg and "Ranks 1 failed" in msg and dt < 2.5, msg
@@ -132,7 +132,8 @@ def test_faults_give_typed_errors_naming_peer_and_transfer():
 
 def test_launcher_reports_the_root_cause():
     from attnplan.tools.launch import _root_cause
-    dead = "device 0 (rank 0): transfer t3 fwd KV[tb1,hg0] d1->d0: peer device 1 (rank 1) died or closed its connection"
+    dead = ("device 0 (rank 0): message m3 fwd d1->d0 (2 blocks: KV[tb1,hg0], ...): peer device 1 (rank 1) died or "
+            "closed its connection")
     shape = "device 1: q must have shape [tokens=5, heads=2, head_dim=8], got [4, 2, 8]"
     assert _root_cause([(0, 2, dead, ""), (1, 2, shape, "")]) == shape
     assert _root_cause([(0, 2, dead, ""), (1, -9, "", "")]) == "rank 1 was killed by signal 9"

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import attnplan
-from attnplan.ir.program import B_DQ, B_O, BWD, FWD, RECV, SEND, WAIT
+from attnplan.ir.program import (B_DQ, B_O, BWD, FWD, M_DST, M_END, M_PHASE, M_SRC, M_START, RECV, SEND, T_DST,
+                                 T_PHASE, T_SRC, WAIT)
 from attnplan.passes import BUILTIN, parse_pipeline, run_pipeline
 from attnplan.passes.emit import Emit, emit
 
@@ -36,20 +37,46 @@ def test_emit_is_a_builtin_pass_and_equals_the_pipelines_program():
 
 @pytest.mark.parametrize("pipeline", ["tile{block=16},zigzag,comm{mode=ring},overlap",
                                       "tile{block=8},minheap,comm{mode=p2p},divide{stages=3}"])
-def test_every_transfer_is_posted_and_waited_once_on_each_side(pipeline):
+def test_every_message_is_posted_and_waited_once_on_each_side(pipeline):
     prog = emit(scheduled(pipeline))
+    M = prog.messages
     for phase in (FWD, BWD):
-        t = prog.transfers[prog.transfers[:, 1] == phase]
-        for op, col in ((RECV, 6), (SEND, 5)):
+        m = M[M[:, M_PHASE] == phase]
+        for op, col in ((RECV, M_DST), (SEND, M_SRC)):
             posted = np.concatenate([c[c[:, 0] == op, 1] for c in prog.code[phase]])
-            assert sorted(posted.tolist()) == sorted(t[:, 0].tolist())
+            assert sorted(posted.tolist()) == sorted(m[:, 0].tolist())
             for d in range(prog.devices):  # posted on the right device
                 c = prog.code[phase][d]
-                assert set(c[c[:, 0] == op, 1].tolist()) == set(t[t[:, col] == d, 0].tolist())
+                assert set(c[c[:, 0] == op, 1].tolist()) == set(m[m[:, col] == d, 0].tolist())
         waits = [c[c[:, 0] == WAIT, 1] for c in prog.code[phase]]
-        for d, w in enumerate(waits):  # each device waits each of its transfers exactly once
-            mine = t[(t[:, 5] == d) | (t[:, 6] == d), 0]
+        for d, w in enumerate(waits):  # each device waits each of its messages exactly once
+            mine = m[(m[:, M_SRC] == d) | (m[:, M_DST] == d), 0]
             assert sorted(w.tolist()) == sorted(mine.tolist())
+
+
+@pytest.mark.parametrize("pipeline", ["tile{block=16},zigzag,comm{mode=ring},overlap",
+                                      "tile{block=8},minheap,comm{mode=p2p},divide{stages=3},overlap",
+                                      "tile{block=8},tile_pool,comm{mode=p2p}"])
+def test_messages_coalesce_the_transfers_of_a_link_and_stage(pipeline):
+    """Every transfer is in exactly one message (a CSR range of the table) of
+    its phase and link; a link carries at most one data and one partial
+    message per stage (ring: one message per hop of the ring, n·(n−1) a
+    phase, whatever the number of blocks)."""
+    ir = scheduled(pipeline)
+    prog = emit(ir)
+    M, X = prog.messages, prog.transfers
+    assert M[0, M_START] == 0 and M[-1, M_END] == len(X) and (M[1:, M_START] == M[:-1, M_END]).all()
+    owner = np.repeat(np.arange(len(M)), M[:, M_END] - M[:, M_START])
+    for tcol, mcol in ((T_PHASE, M_PHASE), (T_SRC, M_SRC), (T_DST, M_DST)):
+        assert (X[:, tcol] == M[owner, mcol]).all()
+    link = (M[:, M_PHASE] * ir.devices + M[:, M_SRC]) * ir.devices + M[:, M_DST]
+    per_link = np.bincount(link)
+    assert per_link.max() <= 2 * ir.schedule.stages
+    assert len(M) < len(X)  # blocks share messages
+    if "ring" in pipeline:  # one message per hop and link: d -> d+1 in stages 1..n-1, and nothing else
+        n = ir.devices
+        fwd = M[M[:, M_PHASE] == FWD]
+        assert ((fwd[:, M_DST] - fwd[:, M_SRC]) % n == 1).all() and len(fwd) == n * (n - 1)
 
 
 def test_a_block_in_a_stage_that_does_not_exist_is_a_verify_error():

@@ -395,7 +395,8 @@ def _mutate_first(ir, phase, op, fn):
     c = code[phase][0]
     i = int(np.flatnonzero(c[:, OP] == op)[0])
     c[i] = fn(c[i].copy(), prog.buffers[phase][0])
-    return ir.replace(program=Program(prog.devices, prog.transfers, prog.buffers, tuple(map(tuple, code))))
+    return ir.replace(program=Program(prog.devices, prog.transfers, prog.buffers, tuple(map(tuple, code)),
+                                      prog.messages))
 
 
 def test_runner_refuses_streams_it_cannot_execute():

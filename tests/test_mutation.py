@@ -11,7 +11,7 @@ import torch
 
 import attnplan
 from attnplan.errors import AttnplanError, PlanFileError, VerifyError
-from attnplan.ir.program import BBYTES, N_OPERANDS, OP, Program, parse_program
+from attnplan.ir.program import BBYTES, N_OPERANDS, OP, T_RBUF, T_SBUF, Program, parse_program
 from attnplan.ir.verify import verify
 from attnplan.runtime.check import reference
 from attnplan.runtime.executor import execute
@@ -51,21 +51,33 @@ def _streams(prog: Program):
     return [[c.tolist() for c in ph] for ph in prog.code], [[b.tolist() for b in ph] for ph in prog.buffers]
 
 
-def _rebuild(prog: Program, code, bufs) -> Program:
-    return Program(prog.devices, prog.transfers, tuple(tuple(np.asarray(b, np.int64).reshape(-1, 6) for b in ph)
-                                                       for ph in bufs),
-                   tuple(tuple(np.asarray(c, np.int64).reshape(-1, 6) for c in ph) for ph in code))
+def _rebuild(prog: Program, code, bufs, transfers=None) -> Program:
+    return Program(prog.devices, prog.transfers if transfers is None else transfers,
+                   tuple(tuple(np.asarray(b, np.int64).reshape(-1, 6) for b in ph) for ph in bufs),
+                   tuple(tuple(np.asarray(c, np.int64).reshape(-1, 6) for c in ph) for ph in code), prog.messages)
 
 
 def mutate(prog: Program, rng: np.random.Generator) -> tuple[str, Program]:
     """One random mutation: drop, swap adjacent, duplicate an instruction;
-    change an operand; drop a buffer row; change an opcode."""
+    change an operand; drop a buffer row; change an opcode; change the
+    buffer a transfer is packed from or unpacked into, or swap two transfers
+    (the layout of a message)."""
     code, bufs = _streams(prog)
     phase = int(rng.integers(2))
     d = int(rng.choice([d for d in range(prog.devices) if code[phase][d]]))
     c = code[phase][d]
     i = int(rng.integers(len(c)))
-    what = ("drop", "swap", "duplicate", "operand", "operand", "buffer", "opcode")[int(rng.integers(7))]
+    what = ("drop", "swap", "duplicate", "operand", "operand", "buffer", "opcode", "binding")[int(rng.integers(8))]
+    if what == "binding":
+        X = prog.transfers.copy()
+        t = int(rng.integers(len(X)))
+        if rng.random() < 0.25:  # swap two transfers' rows (kept in their tags' places)
+            u = int(rng.integers(len(X)))
+            X[[t, u], 1:] = X[[u, t], 1:]
+        else:
+            col = (T_SBUF, T_RBUF)[int(rng.integers(2))]
+            X[t, col] = int(X[t, col] + rng.choice([-1, 1])) if rng.random() < 0.6 else int(rng.integers(-1, 40))
+        return what, _rebuild(prog, code, bufs, X)
     if what == "drop":
         del c[i]
     elif what == "swap" and len(c) > 1:

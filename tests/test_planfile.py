@@ -264,7 +264,7 @@ def _drop_instruction(prog: Program, phase: int, device: int, op: int) -> Progra
     c = code[phase][device]
     i = int(np.flatnonzero(c[:, 0] == op)[0])
     code[phase][device] = np.delete(c, i, axis=0)
-    return Program(prog.devices, prog.transfers, prog.buffers, tuple(tuple(ph) for ph in code))
+    return Program(prog.devices, prog.transfers, prog.buffers, tuple(tuple(ph) for ph in code), prog.messages)
 
 
 def test_body_that_does_not_verify(plan):
@@ -552,8 +552,10 @@ CRAFTED = [
     (("schedule", "cb_stage"), _edit_arr(lambda a: a + 100), r"schedule\.cb_stage\[0\] = \d+ is outside"),
     (("schedule", "xfer"), _edit_arr(_col(0, 5)), r"schedule\.xfer\[:, kind\]\[0\] = 5 is outside \[0, 2\]"),
     (("schedule", "overlap"), 1, r"schedule\.overlap must be a boolean"),
-    (("program", "transfers"), _edit_arr(_col(1, 2)), r"program\.transfers\[:, phase\]\[0\] = 2 is outside"),
-    (("program", "transfers"), _edit_arr(_col(5, 7)), r"program\.transfers\[:, src\]\[0\] = 7 is outside \[0, 1\]"),
+    # a transfer record's columns: its row in the program, then the program's columns (see planfile_schema)
+    (("program", "transfers"), _edit_arr(_col(2, 2)), r"program\.transfers\[:, phase\]\[\d+\] = 2 is outside"),
+    (("program", "transfers"), _edit_arr(_col(6, 7)), r"program\.transfers\[:, src\]\[\d+\] = 7 is outside \[0, 1\]"),
+    (("program", "transfers"), _edit_arr(_col(0, 1)), r"program\.transfers: row 1 is stored twice"),
     (("program", "buffers", 0, 0), _edit_arr(_col(3, 7)), r"program\.buffers\[0\]\[0\]\[:, role\]\[0\] = 7"),
     (("program", "buffers", 1), lambda ph: ph[:1], r"program\.buffers must have 2 phases x 2 devices"),
     (("program", "code", 0, 0), _edit_arr(_col(0, 9)),
@@ -561,7 +563,7 @@ CRAFTED = [
     (("program", "code", 0, 0), _edit_arr(lambda a: np.append(a, [[3, 0, 0, 0, 999, 0]], 0)),
      r"program\.code\[0\]\[0\] instruction \d+ \(attn\): operand 4 = 999 names no buffer"),
     (("program", "code", 0, 0), _edit_arr(lambda a: np.append(a, [[2, 10**6, 0, 0, 0, 0]], 0)),
-     r"instruction \d+ \(wait\): operand 1 = 1000000 names no transfer tag"),
+     r"instruction \d+ \(wait\): operand 1 = 1000000 names no message"),
     (("program", "code", 1, 1), _edit_arr(lambda a: np.append(a, [[5, 10**6, 0, 0, 0, 0]], 0)),
      r"program\.code\[1\]\[1\] instruction \d+ \(attn_bwd\): operand 1 = 1000000 names no compute block"),
     (("program", "code", 0, 1), _edit_arr(lambda a: np.append(a, [[2, 0, 1, 0, 0, 0]], 0)),
@@ -731,7 +733,8 @@ def test_delta_records_round_trip_extreme_values(shape):
     assert np.array_equal(_get_arr(rec), a)
 
 
-def test_format_1_files_with_raw_records_still_load(plan, data):
+def test_raw_records_still_load(plan, data):
+    """Array records written raw, row-major (no "enc"), as format 1 wrote them, load as the delta-encoded ones."""
     def raw(x):
         if isinstance(x, dict) and x.get("enc") == "delta":
             return _rec(_get_arr(x), x["dtype"] if x["dtype"] == "<i8" else "<i8")
@@ -741,8 +744,65 @@ def test_format_1_files_with_raw_records_still_load(plan, data):
             return [raw(v) for v in x]
         return x
     body = raw(_body(data))
-    old = _load(_frame(zlib.compress(msgpack.packb(body, use_bin_type=True)), version=1))
+    old = _load(_frame(zlib.compress(msgpack.packb(body, use_bin_type=True))))
     assert old.canonical_bytes() == plan.canonical_bytes()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_plans_from_before_coalesced_messages_are_refused_by_name(data, version):
+    body = _body(data)
+    with pytest.raises(PlanFileError, match=rf"format version {version} sends every block as its own message; this "
+                                            rf"attnplan reads version 3 \(coalesced messages\): compile the plan again"):
+        _load(_frame(zlib.compress(msgpack.packb(body, use_bin_type=True)), version=version))
+
+
+def test_message_table_is_checked(data, plan):
+    """Crafted message tables and transfers: a range past the transfers, an empty message, a message with another
+    route than its blocks, bytes that are not their sum, a transfer naming a buffer its device does not have.
+    (A file stores the message table's ``end`` column as it is and the rest as residuals against what the
+    reader derives, which are zeros for an emitted plan: see planfile_schema.)"""
+    from attnplan.ir.program import M_BYTES, M_DST, M_END, M_START, T_RBUF
+    n = len(plan.ir.program.transfers)
+
+    def put(row, col, value):
+        return lambda a: a.__setitem__((row, col), value(a) if callable(value) else value)
+    cases = [
+        (put(0, M_END, n + 1), "messages", r"program\.messages\[:, end\]\[0\] = \d+ is outside"),
+        (put(0, M_START, lambda a: a[0, M_END]), "messages", r"m0 carries transfers t\d+\.\.t\d+: a message's "
+                                                            r"transfers are a non-empty range"),
+        (put(0, M_DST, 1), "messages", r"program\.messages\[:, dst\]\[0\] = \d+ is outside|message m0 .* has a bad "
+                                       r"phase, source or destination|is carried by m0"),
+        (put(0, M_BYTES, 1), "messages", r"m0 .* says \d+ bytes; its transfers carry \d+"),
+        (put(0, 1 + T_RBUF, 10**6), "transfers", r"program\.transfers\[:, rbuf\]\[\d+\] = 1000000 names no buffer "
+                                                 r"of device \d"),
+    ]
+    for edit, field, match in cases:
+        body = _body(data)
+        a = _get_arr(body["program"][field]).copy()
+        edit(a)
+        body["program"][field] = _rec(a)
+        with pytest.raises(PlanFileError, match=match):
+            _load(_repack(body))
+
+
+def test_derived_fields_are_stored_as_zeros_and_round_trip(data, plan):
+    """An emitted plan stores its derived fields (sizes, the message table but its ends, the transfers' tags) as
+    zero residuals; a program whose derived fields are wrong still round-trips exactly (and fails to verify)."""
+    from attnplan.ir.program import BBYTES, M_END, T_BYTES, T_TAG
+    body = _body(data)
+    t, m = _get_arr(body["program"]["transfers"]), _get_arr(body["program"]["messages"])
+    assert not t[:, 1 + T_TAG].any() and not t[:, 1 + T_BYTES].any()
+    assert not np.delete(m, M_END, axis=1).any()
+    assert not any(_get_arr(b)[:, BBYTES].any() for ph in body["program"]["buffers"] for b in ph)
+    p = plan.ir.program
+    X, M = p.transfers.copy(), p.messages.copy()
+    X[0, T_BYTES] += 3
+    M[-1, 6] -= 5
+    odd = plan.ir.replace(program=Program(p.devices, X, p.buffers, p.code, M))
+    back, _ = planfile.unpack(planfile.pack(odd, plan.meta), check=False)
+    assert back.program == odd.program
+    with pytest.raises(PlanFileError, match="does not verify"):
+        planfile.unpack(planfile.pack(odd, plan.meta))
 
 
 def test_unknown_array_encoding_is_named(data):

@@ -1,5 +1,5 @@
 """A crafted-plan-file fuzzer: valid plans whose decoded body is altered
-(instructions, buffer rows, transfers, seqlens, pieces, graph arrays, devices,
+(instructions, buffer rows, transfers, messages, seqlens, pieces, graph arrays, devices,
 shapes, dtypes, huge, negative and zero numbers, wrong types, missing keys),
 re-encoded with a VALID checksum. Loading each must give ``PlanFileError`` or
 a plan that runs (forward and backward, float64) equal to dense attention over
@@ -245,14 +245,16 @@ def m_program(body, rng):
 
 
 def m_table(body, rng):
-    """Buffer rows and transfers: a field nudged to another plausible value (kind, block, role, peer, bytes)."""
-    which = _pick(rng, ["buffers", "transfers", "xfer", "home", "cb_device", "cb_stage"])
+    """Buffer rows, transfers and messages: a field nudged to another plausible value (kind, block, role, peer,
+    bytes, buffer, message range)."""
+    which = _pick(rng, ["buffers", "transfers", "messages", "xfer", "home", "cb_device", "cb_stage"])
     if which == "buffers":
         ph = int(rng.integers(2))
         d = int(rng.integers(len(body["program"]["buffers"][ph])))
         path = ("program", "buffers", ph, d)
     else:
-        path = {"transfers": ("program", "transfers"), "xfer": ("schedule", "xfer"),
+        path = {"transfers": ("program", "transfers"), "messages": ("program", "messages"),
+                "xfer": ("schedule", "xfer"),
                 "home": ("placement", "home"), "cb_device": ("placement", "cb_device"),
                 "cb_stage": ("schedule", "cb_stage")}[which]
     a = _get(_at(body, path)).copy()

@@ -9,7 +9,7 @@ import pytest
 
 import attnplan
 from attnplan.backends.cost import PROFILES, get_profile, simulate
-from attnplan.ir.program import B_KV, FWD, RECVD, T_DST, T_KIND, T_PHASE, T_TB
+from attnplan.ir.program import B_KV, FWD, M_PHASE, RECVD, T_DST, T_KIND, T_PHASE, T_SBUF, T_SRC, T_TB
 from attnplan.ir.schedule import X_KV, XDST, XK, XSRC, XSTAGE, XTB
 from attnplan.ir.verify import needed_transfers
 
@@ -45,8 +45,9 @@ def test_ring_sends_every_kv_block_to_every_other_device():
     assert np.all(kv[:, XSTAGE] == (kv[:, XDST] - pl.home[kv[:, XTB]]) % plan.devices)
     # forwarded buffers: every device but the home sends what it received
     bufs = plan.ir.program.buffers[FWD]
-    assert any(b[3] == RECVD for d in range(plan.devices) for b in bufs[d][plan.ir.program.code[FWD][d][
-        plan.ir.program.code[FWD][d][:, 0] == 1][:, 3]])
+    X = plan.ir.program.transfers
+    fwd = X[X[:, T_PHASE] == FWD]
+    assert any(bufs[src][sb][3] == RECVD for src, sb in fwd[:, [T_SRC, T_SBUF]].tolist())
 
 
 def test_p2p_moves_exactly_what_is_needed():
@@ -89,7 +90,7 @@ def test_divide_needs_p2p():
         compile_("tile{block=256},zigzag,comm{mode=ring},divide{stages=3},emit")
 
 
-def test_simulator_accounts_for_every_block_and_transfer():
+def test_simulator_accounts_for_every_block_and_message():
     plan = compile_("tile{block=256},zigzag,comm{mode=ring},overlap,emit")
     prof = get_profile("h100")
     sim = simulate(plan.ir, prof, record=True)
@@ -97,9 +98,9 @@ def test_simulator_accounts_for_every_block_and_transfer():
         ev = sim[phase]["events"]
         attn = ev["compute"][ev["compute"][:, 3] >= 0]
         assert len(attn) == plan.ir.graph.n_cb
-        X = plan.ir.program.transfers
-        assert len(ev["transfer"]) == int((X[:, T_PHASE] == (0 if phase == "fwd" else 1)).sum())
-        # a device's compute never overlaps itself; transfers on one sender never overlap
+        M = plan.ir.program.messages
+        assert len(ev["transfer"]) == int((M[:, M_PHASE] == (0 if phase == "fwd" else 1)).sum())
+        # a device's compute never overlaps itself; messages on one sender never overlap
         for d in range(plan.devices):
             c = ev["compute"][ev["compute"][:, 0] == d]
             assert np.all(c[1:, 1] >= c[:-1, 2] - 1e-12)
@@ -109,6 +110,91 @@ def test_simulator_accounts_for_every_block_and_transfer():
         assert sim[phase]["makespan_s"] == pytest.approx(max(sim[phase]["finish_s"]))
         assert sim[phase]["makespan_s"] >= ev["compute"][:, 2].max() - 1e-12
     assert sim["predicted_s"] >= plan.stats()["lower_bound_s"]
+
+
+def _walk_per_instruction(ir, prof) -> dict:
+    """The simulator's semantics walked one instruction at a time (a
+    reference for the stepped, numpy-summed walk of ``cost.simulate``):
+    devices in global time order, a message posted on both sides starts on
+    the sender's and the receiver's queue, ``alpha + bytes / bw`` each."""
+    import heapq
+
+    from attnplan.backends.cost import DTYPE_EFFICIENCY, cb_seconds, message_seconds
+    from attnplan.ir.program import ATTN, ATTN_BWD, M_DST, M_SRC, RECV, SEND, WAIT
+    prog = ir.program
+    dur = message_seconds(ir, prof).tolist()
+    src, dst = prog.messages[:, M_SRC].tolist(), prog.messages[:, M_DST].tolist()
+    fwd = (cb_seconds(ir.graph, prof) / DTYPE_EFFICIENCY.get(ir.graph.problem.dtype, 1.0)).tolist()
+    out = {}
+    for phase, factor in ((0, 1.0), (1, prof.bwd_factor)):
+        code = [c.tolist() for c in prog.code[phase]]
+        nbytes = [b[:, 5].tolist() for b in prog.buffers[phase]]
+        n = len(code)
+        clock, pc, sfree, rfree = [0.0] * n, [0] * n, [0.0] * n, [0.0] * n
+        posted, end, waiting, heap = {}, {}, {}, [(0.0, d) for d in range(n)]
+        while heap:
+            _, d = heapq.heappop(heap)
+            now, i = clock[d], pc[d]
+            while i < len(code[d]):
+                op, a, b = code[d][i][:3]
+                if op in (SEND, RECV):
+                    if now > clock[d] or (heap and heap[0][0] < now):
+                        break
+                    if a not in posted:
+                        posted[a] = now
+                    else:
+                        ready = max(posted[a], now)
+                        sfree[src[a]] = max(ready, sfree[src[a]]) + dur[a]
+                        rfree[dst[a]] = max(ready, rfree[dst[a]]) + dur[a]
+                        end[a] = max(sfree[src[a]], rfree[dst[a]])
+                        for w in waiting.pop(a, ()):
+                            clock[w], pc[w] = max(clock[w], end[a]), pc[w] + 1
+                            heapq.heappush(heap, (clock[w], w))
+                elif op == WAIT:
+                    if a not in end:
+                        waiting.setdefault(a, []).append(d)
+                        break
+                    now = max(now, end[a])
+                else:
+                    now += fwd[a] * factor if op in (ATTN, ATTN_BWD) else nbytes[d][b] * 3 / prof.mem_bw
+                i += 1
+            else:
+                clock[d], pc[d] = now, i
+                continue
+            clock[d], pc[d] = now, i
+            if i < len(code[d]) and code[d][i][0] != WAIT:
+                heapq.heappush(heap, (now, d))
+        out[phase] = clock
+    return out
+
+
+@pytest.mark.parametrize("pipeline", ["tile{block=256},zigzag,comm{mode=ring},overlap,emit",
+                                      "tile{block=128},minheap,comm{mode=p2p},divide{stages=3},overlap,emit",
+                                      "tile{block=128},tile_pool,comm{mode=p2p},emit"])
+def test_stepped_simulation_equals_the_walk_per_instruction(pipeline):
+    """Local instructions between two communications are one step of the
+    simulation (seconds summed with numpy): every device finishes when an
+    instruction-by-instruction walk says."""
+    plan = compile_(pipeline, nodes=2)
+    prof = get_profile("h100")
+    sim = simulate(plan.ir, prof)
+    ref = _walk_per_instruction(plan.ir, prof)
+    for phase, name in ((0, "fwd"), (1, "bwd")):
+        assert sim[name]["finish_s"] == pytest.approx(ref[phase], rel=1e-9, abs=1e-15)
+
+
+def test_one_latency_per_message():
+    """Adding latency to every message delays a phase by at most the
+    messages of that phase times the latency: the blocks a message carries
+    share one (the ring: n·(n−1) messages a phase, whatever the blocks)."""
+    plan = compile_("tile{block=64},zigzag,comm{mode=ring},overlap,emit", seqlens=[700, 300, 64, 64, 33, 7, 1])
+    base = dataclasses.replace(get_profile("h100"), intra_alpha=0.0, inter_alpha=0.0)
+    slow = dataclasses.replace(base, intra_alpha=1e-3, inter_alpha=1e-3)
+    M, X = plan.ir.program.messages, plan.ir.program.transfers
+    assert len(X) > 4 * len(M)
+    for name, phase in (("fwd", 0), ("bwd", 1)):
+        extra = simulate(plan.ir, slow)[name]["makespan_s"] - simulate(plan.ir, base)[name]["makespan_s"]
+        assert 0 < extra <= int((M[:, M_PHASE] == phase).sum()) * 1e-3 + 1e-12
 
 
 def test_overlap_hides_ring_transfers():

@@ -8,7 +8,8 @@ import pytest
 import attnplan
 from attnplan.errors import VerifyError
 from attnplan.ir.mask import Pieces
-from attnplan.ir.program import ADD, ATTN, BWD, FWD, RECV, SEND, WAIT, Program
+from attnplan.ir.program import (ADD, ATTN, BWD, FWD, M_END, M_START, RECV, RECVD, SEND, T_PHASE, T_RBUF, T_SBUF, T_SRC,
+                                 WAIT, Program)
 from attnplan.ir.verify import verify
 
 
@@ -27,8 +28,14 @@ def ring():
 def with_code(ir, phase, device, rows):
     code = [list(ph) for ph in ir.program.code]
     code[phase][device] = np.asarray(rows, np.int64).reshape(-1, 6)
-    prog = Program(ir.program.devices, ir.program.transfers, ir.program.buffers, tuple(map(tuple, code)))
+    prog = Program(ir.program.devices, ir.program.transfers, ir.program.buffers, tuple(map(tuple, code)),
+                   ir.program.messages)
     return ir.replace(program=prog)
+
+
+def with_transfers(ir, transfers):
+    p = ir.program
+    return ir.replace(program=Program(p.devices, transfers, p.buffers, p.code, p.messages))
 
 
 def rows_of(ir, phase, device):
@@ -75,13 +82,13 @@ def test_drop_send(plan):
     d = device_with(ir, FWD, SEND)
     rows = rows_of(ir, FWD, d)
     i = next(i for i, r in enumerate(rows) if r[0] == SEND)
-    tag = rows[i][1]
-    with pytest.raises(VerifyError, match=rf"t{tag} .*is received but never sent"):
+    msg = rows[i][1]
+    with pytest.raises(VerifyError, match=rf"m{msg} .*is received but never sent"):
         verify(with_code(ir, FWD, d, rows[:i] + rows[i + 1:]))
 
 
 def wait_before_recv(ir):
-    """(device, tag, ir) where the device's first receive now comes after its wait."""
+    """(device, message, ir) where the device's first receive now comes after its wait."""
     d = device_with(ir, FWD, RECV)
     rows = rows_of(ir, FWD, d)
     r = next(i for i, x in enumerate(rows) if x[0] == RECV)
@@ -93,7 +100,7 @@ def wait_before_recv(ir):
 
 def test_wait_before_its_receive_is_posted(plan):
     d, tag, bad = wait_before_recv(plan.ir)
-    with pytest.raises(VerifyError, match=rf"invariant 5: deadlock in fwd: device {d} waits on t{tag} .*recv not posted"):
+    with pytest.raises(VerifyError, match=rf"invariant 5: deadlock in fwd: device {d} waits on m{tag} .*recv not posted"):
         verify(bad)
 
 
@@ -121,17 +128,58 @@ def test_merge_twice(plan):
 
 def test_partial_never_sent_home(plan):
     ir = plan.ir
+    M, X = ir.program.messages, ir.program.transfers
     for d in range(ir.devices):
         rows = rows_of(ir, BWD, d)
         sends = [i for i, r in enumerate(rows) if r[0] == SEND]
         bufs = ir.program.buffers[BWD][d]
-        part = [i for i in sends if bufs[rows[i][3]][3] == 2]
+        part = [i for i in sends if any(bufs[b][3] == 2 for b in X[M[rows[i][1], M_START]:M[rows[i][1], M_END],
+                                                                     T_SBUF])]
         if part:
             i = part[0]
             with pytest.raises(VerifyError, match=r"never sent|is received but never sent"):
                 verify(with_code(ir, BWD, d, rows[:i] + rows[i + 1:]))
             return
     pytest.skip("no partial sends in this plan")
+
+
+def test_partial_packed_from_another_buffer(plan):
+    """A message that packs a home buffer in place of the partial it should carry."""
+    ir = plan.ir
+    X = ir.program.transfers.copy()
+    bufs = ir.program.buffers[BWD]
+    t = next(t for t, row in enumerate(X.tolist()) if row[T_PHASE] == BWD and bufs[row[T_SRC]][row[T_SBUF]][3] == 2)
+    X[t, T_SBUF] = 0  # the device's first buffer: a home buffer of another block
+    with pytest.raises(VerifyError, match=rf"invariant 5: device \d bwd: t{t} bwd .* names source buffer %0"):
+        verify(with_transfers(ir, X))
+
+
+def test_two_transfers_into_one_receive_buffer(ring):
+    ir = ring.ir
+    X = ir.program.transfers.copy()
+    fwd = np.flatnonzero(X[:, T_PHASE] == FWD)
+    a, b = fwd[0], fwd[1]  # the same message: same destination
+    X[b, T_RBUF] = X[a, T_RBUF]
+    with pytest.raises(VerifyError, match=r"invariant 5: .* names receive buffer|receives into %\d+ twice"):
+        verify(with_transfers(ir, X))
+
+
+def test_sends_and_receives_of_a_pair_in_another_order(ring):
+    """Two messages between the same two devices whose sends are swapped: a
+    transport that matches by posting order (NCCL) would mix them up."""
+    ir = ring.ir
+    for d in range(ir.devices):
+        rows = rows_of(ir, FWD, d)
+        sends = [i for i, r in enumerate(rows) if r[0] == SEND]
+        pairs = [(i, j) for i in sends for j in sends if i < j and rows[i][2] == rows[j][2]]
+        if pairs:
+            i, j = pairs[0]
+            rows[i], rows[j] = rows[j], rows[i]
+            with pytest.raises(VerifyError, match=r"invariant 5: device \d fwd instruction \d+: sends m\d+ .* as its "
+                                                  r"message #\d+ to d\d+, but d\d+ posts its receive as #\d+"):
+                verify(with_code(ir, FWD, d, rows))
+            return
+    pytest.fail("the ring sends several messages to the next device")
 
 
 def test_memory_cap():
@@ -184,7 +232,7 @@ def test_executor_reports_deadlock(plan):
     p = ir.problem
     q = torch.randn(p.tokens, p.heads, p.head_dim)
     kv = torch.randn(p.tokens, p.kv_heads, p.head_dim)
-    with pytest.raises(attnplan.DeadlockError, match=rf"device {d} waits on t{tag} fwd"):
+    with pytest.raises(attnplan.DeadlockError, match=rf"device {d} waits on m{tag} fwd"):
         execute(bad, q, kv, kv)
 
 
@@ -196,7 +244,11 @@ def test_ring_forward_before_it_arrives(ring):
     d = 1
     rows = rows_of(ir, FWD, d)
     bufs = ir.program.buffers[FWD][d]
-    i = next(i for i, r in enumerate(rows) if r[0] == SEND and bufs[r[3]][3] == 1)  # a forwarding send
+    M, X = ir.program.messages, ir.program.transfers
+
+    def forwards(r):
+        return any(bufs[b][3] == RECVD for b in X[M[r[1], M_START]:M[r[1], M_END], T_SBUF])
+    i = next(i for i, r in enumerate(rows) if r[0] == SEND and forwards(r))  # a forwarding send
     j = i - 1
     assert rows[j][0] == WAIT
     rows.append(rows.pop(j))

@@ -52,7 +52,7 @@ def _drop_cb0(prog: Program) -> Program:
             c[comp, A1] -= 1
             out.append(c)
         code.append(tuple(out))
-    return Program(prog.devices, prog.transfers, prog.buffers, tuple(code))
+    return Program(prog.devices, prog.transfers, prog.buffers, tuple(code), prog.messages)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ class DropTransfer(Pass):
             c = code[FWD][d]
             i = int(np.flatnonzero(c[:, OP] == SEND)[0])
             code[FWD][d] = np.delete(c, i, axis=0)
-            return ir.replace(program=Program(p.devices, p.transfers, p.buffers, tuple(map(tuple, code))))
+            return ir.replace(program=Program(p.devices, p.transfers, p.buffers, tuple(map(tuple, code)), p.messages))
         s = ir.schedule
         return ir.replace(schedule=dataclasses.replace(s, xfer=s.xfer[1:].copy()))
 
@@ -200,7 +200,7 @@ def with_code(ir, phase, device, rows):
     code = [list(ph) for ph in ir.program.code]
     code[phase][device] = np.asarray(rows, np.int64).reshape(-1, 6)
     return ir.replace(program=Program(ir.program.devices, ir.program.transfers, ir.program.buffers,
-                                      tuple(map(tuple, code))))
+                                      tuple(map(tuple, code)), ir.program.messages))
 
 
 def first_row(ir, phase, op):

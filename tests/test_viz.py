@@ -138,7 +138,7 @@ def test_comm_matrix_matches_stats(case):
     c = d["comm"]
     assert int(c["fwd"].sum() + c["bwd"].sum()) == stats["comm_bytes_total"]
     assert int(c["fwd"].sum()) == stats["comm_bytes_fwd"] and int(c["bwd"].sum()) == stats["comm_bytes_bwd"]
-    assert int(c["count"].sum()) == stats["transfers"]
+    assert int(c["count"].sum()) == stats["messages"]
     assert not np.diagonal(c["fwd"] + c["bwd"] + c["count"]).any()  # nothing is sent to itself
     tot = c["fwd"] + c["bwd"]
     assert int((tot.sum(0) + tot.sum(1)).max()) == stats["comm_bytes_max"]

@@ -15,8 +15,11 @@ than the best simulated plan's whole makespan cannot win.
    rounding, launch overhead, the dtype's rate; backward × ``bwd_factor``)
    and the time its send and its receive queue are busy with the transfers
    the placement needs (:func:`attnplan.ir.verify.needed_transfers`, or the
-   ring of ``comm{mode=ring}``; ``alpha + bytes / bandwidth`` of the link, the
-   bytes of :func:`attnplan.ir.program.buffer_bytes`). A device can overlap
+   ring of ``comm{mode=ring}``; ``bytes / bandwidth`` of the link per block,
+   the bytes of :func:`attnplan.ir.program.buffer_bytes`, and ``alpha`` per
+   message: per phase, source, destination, ring hop, data or partial — no
+   more than the program's messages, which coalesce every block of one
+   stage between two devices). A device can overlap
    its transfers with its compute but not do either faster, so a phase takes
    at least ``max over devices of max(compute, send, receive)`` (the load
    bound of a schedule, Graham 1969) — the estimate is that bound, forward +
@@ -64,7 +67,7 @@ from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, simulate
 from ..errors import PlanError
 from ..ir.module import PlanIR
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
-from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XTB
+from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategies
 from ..passes.comm import ring_kv
@@ -89,30 +92,33 @@ class Estimate:
 
 # ------------------------------------------------------------------------------------------ the estimate
 
-def _link_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, per_node: int, prof) -> np.ndarray:
-    """``alpha + bytes / bandwidth`` of the link each transfer crosses (as ``cost.transfer_seconds``)."""
-    inter = (src // per_node) != (dst // per_node)
-    return np.where(inter, prof.inter_alpha + nbytes / prof.inter_bw, prof.intra_alpha + nbytes / prof.intra_bw)
-
-
 def _queues(n: int, per_node: int, prof, parts) -> tuple[np.ndarray, int]:
     """Per device, the busier of its send and receive queue for ``parts``
-    (``(src, dst, bytes)`` arrays of transfers); and their bytes."""
+    (``(src, dst, bytes, group)`` arrays of transfers, ``group`` telling the
+    messages apart between the same two devices): ``bytes / bandwidth`` per
+    transfer and ``alpha`` per distinct (src, dst, group); and their bytes."""
     send, recv, total = np.zeros(n), np.zeros(n), 0
-    for src, dst, nbytes in parts:
-        sec = _link_seconds(src, dst, nbytes.astype(float), per_node, prof)
-        send += np.bincount(src, weights=sec, minlength=n)
-        recv += np.bincount(dst, weights=sec, minlength=n)
-        total += int(nbytes.sum())
+    src, dst, nbytes, group = (np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(4))
+    inter = (src // per_node) != (dst // per_node)
+    sec = nbytes / np.where(inter, prof.inter_bw, prof.intra_bw)
+    send += np.bincount(src, weights=sec, minlength=n)
+    recv += np.bincount(dst, weights=sec, minlength=n)
+    msg = np.unique((group * n + src) * n + dst)
+    ms, md = (msg // n) % n, msg % n
+    alpha = np.where((ms // per_node) != (md // per_node), prof.inter_alpha, prof.intra_alpha)
+    send += np.bincount(ms, weights=alpha, minlength=n)
+    recv += np.bincount(md, weights=alpha, minlength=n)
+    total += int(nbytes.sum())
     return np.maximum(send, recv), total
 
 
-def _kv_route(g, pl, need_kv: np.ndarray, mode: str) -> np.ndarray:
-    """KV transfers as rows ``(tb, hg, src, dst)``: the needed ones (p2p) or every hop of the ring."""
+def _kv_route(g, pl, need_kv: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """KV transfers as rows ``(tb, hg, src, dst)``: the needed ones (p2p) or
+    every hop of the ring; and the stage of each (0, or the ring hop)."""
     if mode == "ring" and pl.devices > 1:
         rows, _ = ring_kv(g, pl)
-        return rows[:, [XTB, XHG, XSRC, XDST]]
-    return need_kv
+        return rows[:, [XTB, XHG, XSRC, XDST]], rows[:, XSTAGE]
+    return need_kv, np.zeros(len(need_kv), np.int64)
 
 
 def estimate(ir: PlanIR, prof, comm_mode: str = "p2p") -> Estimate:
@@ -125,15 +131,18 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p") -> Estimate:
     compute = np.bincount(pl.cb_device, weights=fwd_cb, minlength=n)
     need = needed_transfers(g, pl)
     q, o, dkv = need[X_Q], need[X_O], need[X_KV]
-    kv = _kv_route(g, pl, need[X_KV], comm_mode)
+    kv, hop = _kv_route(g, pl, need[X_KV], comm_mode)
+    PARTIAL = -1  # partials travel apart from data (a group of their own)
 
-    def part(rows: np.ndarray, phase: int, kind: int, reverse: bool = False):
+    def part(rows: np.ndarray, phase: int, kind: int, group, reverse: bool = False):
         src, dst = (rows[:, 3], rows[:, 2]) if reverse else (rows[:, 2], rows[:, 3])
-        return src, dst, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1])
+        return src, dst, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]), np.broadcast_to(group, len(rows)) + 1
 
-    comm_f, bytes_f = _queues(n, per_node, prof, [part(q, FWD, B_Q), part(kv, FWD, B_KV), part(o, FWD, B_O)])
-    comm_b, bytes_b = _queues(n, per_node, prof, [part(q, BWD, B_Q), part(kv, BWD, B_KV), part(o, BWD, B_DQ),
-                                                   part(dkv, BWD, B_DKV, reverse=True)])
+    comm_f, bytes_f = _queues(n, per_node, prof, [part(q, FWD, B_Q, 0), part(kv, FWD, B_KV, hop),
+                                                   part(o, FWD, B_O, PARTIAL)])
+    comm_b, bytes_b = _queues(n, per_node, prof, [part(q, BWD, B_Q, 0), part(kv, BWD, B_KV, hop),
+                                                   part(o, BWD, B_DQ, PARTIAL),
+                                                   part(dkv, BWD, B_DKV, PARTIAL, reverse=True)])
     comp_b = compute * prof.bwd_factor
     return Estimate(float(np.maximum(compute, comm_f).max()), float(np.maximum(comp_b, comm_b).max()),
                     float((compute + comp_b).max()), float((comm_f + comm_b).max()), bytes_f + bytes_b)

@@ -177,7 +177,7 @@ function heatPanel(canvas, P) {
     if (s < 0 || d < 0 || s >= n || d >= n) return null; const i = index.get(s * n + d);
     const link = Math.floor(s / P.dpn) === Math.floor(d / P.dpn) ? 'intra-node' : 'inter-node';
     if (i === undefined) return 'd' + s + ' → d' + d + ': nothing moves';
-    return 'd' + s + ' → d' + d + ' (' + link + '): ' + fmtBytes(tot[i]) + ' in ' + C.count[i] + ' transfers\nforward ' +
+    return 'd' + s + ' → d' + d + ' (' + link + '): ' + fmtBytes(tot[i]) + ' in ' + C.count[i] + ' messages\nforward ' +
       fmtBytes(C.fwd[i]) + ', backward ' + fmtBytes(C.bwd[i]); }
   setup(canvas, w => Math.max(40, Math.min(w - 130, 480)) + 30, draw, hit);
 }
@@ -214,13 +214,13 @@ function timelinePanel(canvas, P, phase, tmax) {
       '\n' + when + ', busy ' + fmtTime(S.busy[i]) + agg;
     if (l === 0) return (many ? S.n[i] + ' compute blocks c' + S.a[i] + '…c' + S.b[i] : 'compute block c' + S.a[i]) +
       ' on d' + d + ' · stage ' + S.key[i] + '\n' + when + ', busy ' + fmtTime(S.busy[i]) + agg;
-    const kind = S.kind[i] >= 0 ? KINDS[S.kind[i]] : 'mixed';
-    if (l === 1) return many ? 'd' + d + ' waits ' + S.n[i] + ' times, ' + fmtTime(S.busy[i]) + ' idle (transfers t' + S.a[i] + '…t' + S.b[i] + ')\n' + when + agg
-      : 'd' + d + ' waits ' + fmtTime(S.busy[i]) + ' on t' + S.a[i] + ' (' + kind + ' tb' + S.tb[i] + ', peer d' + S.peer[i] + ')\n' + when;
+    const kind = S.kind[i] >= 0 ? KINDS[S.kind[i]] : 'mixed', blk = S.tb[i] >= 0 ? ' tb' + S.tb[i] : ' blocks';
+    if (l === 1) return many ? 'd' + d + ' waits ' + S.n[i] + ' times, ' + fmtTime(S.busy[i]) + ' idle (messages m' + S.a[i] + '…m' + S.b[i] + ')\n' + when + agg
+      : 'd' + d + ' waits ' + fmtTime(S.busy[i]) + ' on m' + S.a[i] + ' (' + kind + blk + ', peer d' + S.peer[i] + ')\n' + when;
     const dir = l === 2 ? 'out' : 'in', arrow = (p) => l === 2 ? 'd' + d + ' → ' + p : p + ' → d' + d;
     const peer = S.peer[i] >= 0 ? 'd' + S.peer[i] : 'several devices';
-    if (!many) return 't' + S.a[i] + ' ' + kind + ' tb' + S.tb[i] + ' ' + arrow(peer) + ', ' + fmtBytes(S.bytes[i]) + '\n' + when;
-    return S.n[i] + ' transfers ' + dir + ' (' + arrow(peer) + '), ' + fmtBytes(S.bytes[i]) + ', kinds ' + kind + '\n' + when + agg;
+    if (!many) return 'm' + S.a[i] + ' ' + kind + blk + ' ' + arrow(peer) + ', ' + fmtBytes(S.bytes[i]) + '\n' + when;
+    return S.n[i] + ' messages ' + dir + ' (' + arrow(peer) + '), ' + fmtBytes(S.bytes[i]) + ', kinds ' + kind + '\n' + when + agg;
   }
   function hit(x, y, g) {
     const d = Math.floor((y - g.oy) / rowH); if (d < 0 || d >= n) return null;
