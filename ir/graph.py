@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
+from .arrays import unique
 from .limits import MAX_TILE_PIECES
 from .mask import K0, K1, Q0, Q1, piece_counts, tighten
 from .problem import Problem
@@ -126,18 +127,10 @@ def head_groups(kv_heads: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return bounds[:-1], bounds[1:]
 
 
-def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> BlockGraph:
-    """Tile ``problem`` at the token positions ``cuts`` (0 and T are added).
-
-    Vectorized: mask pieces are expanded over the q blocks they touch, then
-    over the kv blocks each clipped piece touches, clipped, tightened and
-    grouped by (q block, kv block)."""
-    T = problem.tokens
-    cuts = np.unique(np.concatenate([np.asarray(cuts, np.int64), [0, T]]))
-    cuts = cuts[(cuts >= 0) & (cuts <= T)]
-    starts, ends = cuts[:-1], cuts[1:]
-    P = problem.pieces.a
-    # over q blocks
+def q_block_rows(P: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+    """The mask pieces ``P`` clipped to the query rows of every token block
+    ``[starts[i], ends[i])`` they touch, tightened, empty ones dropped:
+    (rows, the piece each came from, its block)."""
     first = np.searchsorted(starts, P[:, Q0], "right") - 1
     last = np.searchsorted(starts, P[:, Q1] - 1, "right") - 1
     src, qb = _expand(first, last, "(mask piece, q block) rows")
@@ -145,7 +138,20 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> B
     rows[:, Q0] = np.maximum(rows[:, Q0], starts[qb])
     rows[:, Q1] = np.minimum(rows[:, Q1], ends[qb])
     keep = tighten(rows)
-    rows, src, qb = rows[keep], src[keep], qb[keep]
+    return rows[keep], src[keep], qb[keep]
+
+
+def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> BlockGraph:
+    """Tile ``problem`` at the token positions ``cuts`` (0 and T are added).
+
+    Vectorized: mask pieces are expanded over the q blocks they touch, then
+    over the kv blocks each clipped piece touches, clipped, tightened and
+    grouped by (q block, kv block)."""
+    T = problem.tokens
+    cuts = unique(np.concatenate([np.asarray(cuts, np.int64), [0, T]]))
+    cuts = cuts[(cuts >= 0) & (cuts <= T)]
+    starts, ends = cuts[:-1], cuts[1:]
+    rows, src, qb = q_block_rows(problem.pieces.a, starts, ends)
     # over kv blocks
     first = np.searchsorted(starts, rows[:, K0], "right") - 1
     last = np.searchsorted(starts, rows[:, K1] - 1, "right") - 1

@@ -98,10 +98,18 @@ def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: 
     order = np.lexsort((-cost, qkey, -row_cost[qkey]))
     load = np.zeros(n)
     out = np.empty(g.n_cb, np.int64)
+    # devices holding each key's Q / KV: a local block whose Q or KV is held by its home alone can only
+    # go home when home has room (no other device adds nothing) — decided without the device scan below
+    q_held = [1] * len(keys)
+    kv_held = [1] * len(keys)
     for c, w, qk, kk, own in zip(order.tolist(), cost[order].tolist(), qkey[order].tolist(),
                                  kkey[order].tolist(), local[order].tolist()):
         if own >= 0:
             reserved[own] -= w
+            if (q_held[qk] == 1 or kv_held[kk] == 1) and load[own] + w <= cap:
+                out[c] = own
+                load[own] += w
+                continue
         inc = np.where(has_q[qk], 0.0, q_inc[qk]) + np.where(has_kv[kk], 0.0, kv_inc[kk])
         room = load + reserved + w <= cap
         if own >= 0:
@@ -116,6 +124,8 @@ def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: 
         d = int(cand[np.argmin(load[cand])])
         out[c] = d
         load[d] += w
+        q_held[qk] += not has_q[qk, d]
+        kv_held[kk] += not has_kv[kk, d]
         has_q[qk, d] = True
         has_kv[kk, d] = True
     return out
