@@ -262,7 +262,10 @@ def preview(strategy_pass, tiled: PlanIR, prof) -> float:
     segments (``segments(ir)``: zigzag, per_doc, dacp), else 0 (it must be
     placed to be bounded). Raises the strategy's PlanError."""
     segments = getattr(strategy_pass, "segments", None)
-    return 0.0 if segments is None else segment_bound(tiled, *segments(tiled), prof)
+    if segments is None:
+        return 0.0
+    starts, devices = segments(tiled)
+    return segment_bound(tiled, starts, devices, prof)
 
 
 def finish(p: Placed, kwargs: dict, prof) -> tuple[PlanIR, list, float]:
