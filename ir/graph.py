@@ -182,11 +182,38 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> B
     )
 
 
-def sample_cuts(problem: Problem, block: int) -> np.ndarray:
-    """Sample boundaries and every ``block`` tokens from each sample start."""
+def sample_cuts(problem: Problem, block: int, pack: bool = True) -> np.ndarray:
+    """Token block starts: every ``block`` tokens from the start of each sample
+    longer than ``block``; consecutive samples of at most ``block`` tokens are
+    packed greedily, in order, into blocks of at most ``block`` tokens (a new
+    block starts where the next sample would not fit, and after a long
+    sample). A packed block is a varlen group: its tiles hold the pieces of
+    every short document in it, one compute block (one varlen kernel call) for
+    all of them, each piece's rows still rounded to the kernel tile on its own
+    (backends/cost.py). No sample straddles a packed block. ``pack=False``:
+    a block boundary at every sample start (one block per short sample)."""
     off = problem.offsets
     lens = problem.seqlens
-    per = (lens + block - 1) // block
+    long = lens > block if pack else np.ones(len(lens), bool)
+    per = np.where(long, (lens + block - 1) // block, 0)
     owner = np.repeat(np.arange(len(lens)), per)
     idx = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
-    return np.concatenate([off[owner] + idx * block, off])
+    return np.concatenate([off[owner] + idx * block, off[:1], _packed_starts(off, lens, long, block)])
+
+
+def _packed_starts(off: np.ndarray, lens: np.ndarray, long: np.ndarray, block: int) -> np.ndarray:
+    """Starts of the packed blocks of short samples (see :func:`sample_cuts`)."""
+    short = np.flatnonzero(~long)
+    if not len(short):
+        return np.zeros(0, np.int64)
+    # the greedy only restarts at a long sample or an overflow: one Python step per short sample
+    after_long = np.zeros(len(lens), bool)
+    after_long[1:] = long[:-1]
+    out, fill = [], block
+    for i, n, fresh in zip(short.tolist(), lens[short].tolist(), after_long[short].tolist()):
+        if fresh or fill + n > block:
+            out.append(i)
+            fill = n
+        else:
+            fill += n
+    return off[np.asarray(out, np.int64)]
