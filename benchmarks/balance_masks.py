@@ -40,7 +40,10 @@ TARGET = 1.05
 STRATEGIES = ("minheap", "hypergraph", "tile_pool")
 # one realistic parameter choice per builtin family (benchmarks/minheap_masks.py's)
 MASKS = ("causal", "full", "sliding_window(4096)", "streaming(64,4096)", "shared_question(4,0.2)",
-         "causal_blockwise(256,2)", "block_causal(1024)", "prefix_lm(1024)", "chunked_causal(8192)")
+         "causal_blockwise(256,2)", "block_causal(1024)", "prefix_lm(1024)", "chunked_causal(8192)",
+         "dilated_sliding_window(64,16)", "natten2d(128,128,13,13)", "sliding_tile2d(128,128,8,8,3,3)",
+         "global_tokens(64)", "sliding_window(4096) | global_tokens(64)")
+# same_segment / earlier_segment / document need segments, which the suite's batches do not have
 
 
 def imbalance(ir: PlanIR) -> float:
