@@ -5,18 +5,15 @@ system's own rules (fixed's packing, WLB-LLM's greedy and outlier queue, the
 pool); the registry; ``plan step compare``."""
 
 import json
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnplan.cli import main
 from attnplan.errors import StepError
-from attnplan.runtime.executor import execute
 from attnplan.step import (BUILTIN, Mesh, Model, StepPass, build_plan, compile_step, make_problem, parse_system,
                            register_system, system_names, unregister_system)
 from attnplan.step.lower import next_problem
@@ -33,42 +30,17 @@ def problem(lens, dp, cp, per_node, **kw):
                         block_size=kw.pop("block_size", 8), profile="h100")
 
 
-def dense_causal(q, k, v):
-    """Causal softmax attention of one document, float64, GQA by repeating KV heads."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    n = q.shape[0]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+def _load_cases():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("_step_cases", Path(__file__).with_name("_step_cases.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def check_execution(c, seed=0):
-    """Every micro-batch's attention plan run on its fragments' q, k, v equals dense causal attention of
-    every document; the gradient of q too."""
-    p, plan = c.plan.problem, c.plan
-    gen = torch.Generator().manual_seed(seed)
-    m = p.model
-    docs = {}
-    for d in range(p.docs):
-        n = int(p.seqlens[d])
-        docs[d] = [torch.randn(n, h, m.head_dim, generator=gen, dtype=torch.float64)
-                   for h in (m.heads, m.kv_heads, m.kv_heads)]
-    ptr = plan.mb_ptr()
-    for mb, low in enumerate(c.lowered):
-        ids = plan.frag_doc[ptr[mb]:ptr[mb + 1]].tolist()
-        q, k, v = (torch.cat([docs[d][i] for d in ids]).float().requires_grad_(True) for i in range(3))
-        out = execute(low.ir, q, k, v)
-        out.square().sum().backward()
-        off = 0
-        for d in ids:
-            n = int(p.seqlens[d])
-            qd = docs[d][0].clone().requires_grad_(True)
-            ref = dense_causal(qd, docs[d][1], docs[d][2])
-            ref.square().sum().backward()
-            assert torch.allclose(out[off:off + n].double(), ref, atol=2e-5), (mb, d)
-            assert torch.allclose(q.grad[off:off + n].double(), qd.grad, atol=1e-4), (mb, d)
-            off += n
+_cases = _load_cases()
+dense_causal, check_execution = _cases.dense_causal, _cases.check_execution
 
 
 @st.composite
