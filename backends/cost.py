@@ -23,15 +23,14 @@ builtin or loaded, is checked once, when it is built (``Profile.__post_init__``)
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import os
-import stat
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import numpy as np
 
 from ..errors import DeadlockError, PlanError
+from ..ir.files import read_json
 from ..ir.limits import MAX_PROFILE_FILE, MAX_TOKENS
 from ..ir.mask import Q0, Q1, piece_counts
 from ..ir.program import ATTN, ATTN_BWD, BBYTES, BWD, FWD, PHASES, RECV, SEND, T_BYTES, T_DST, T_SRC, WAIT
@@ -159,23 +158,7 @@ def load_profile_file(path) -> Profile:
     a name read from a plan. The file must be a regular file of at most
     ``MAX_PROFILE_FILE`` bytes."""
     path = os.fspath(path)
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise PlanError(f"cost profile {path}: not a regular file")
-        if st.st_size > MAX_PROFILE_FILE:
-            raise PlanError(f"cost profile {path}: {st.st_size:,} bytes, over the limit of {MAX_PROFILE_FILE:,} "
-                            f"(ir/limits.py MAX_PROFILE_FILE)")
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PROFILE_FILE + 1)
-    except OSError as e:
-        raise PlanError(f"cost profile {path}: cannot read it ({e.strerror or e})") from None
-    if len(raw) > MAX_PROFILE_FILE:
-        raise PlanError(f"cost profile {path}: over the limit of {MAX_PROFILE_FILE:,} bytes (ir/limits.py)")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise PlanError(f"cost profile {path}: not a JSON file ({type(e).__name__}: {str(e)[:80]})") from None
+    data = read_json(path, MAX_PROFILE_FILE, "MAX_PROFILE_FILE", f"cost profile {path}", PlanError)
     return profile_from_dict(data, path)
 
 

@@ -34,8 +34,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import AttnplanError, PlanError, StepError
-from ..passes.base import _convert
+from ..errors import StepError
+from ..passes.base import instantiate
 from .ir import StepPlan, StepProblem
 
 SYSTEMS: dict[str, type[StepPass]] = {}
@@ -94,27 +94,9 @@ def parse_system(spec) -> StepPass:
     name = name.strip()
     if name not in SYSTEMS:
         raise StepError(f"unknown system {name[:40]!r}; known: {', '.join(SYSTEMS)}")
-    cls = SYSTEMS[name]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    if rest:
-        if not rest.endswith("}") or "{" in rest:
-            raise StepError(f"system {spec[:60]!r}: expected name{{opt=value,...}}")
-        for opt in filter(None, (o.strip() for o in rest[:-1].split(","))):
-            key, eq, val = opt.partition("=")
-            key = key.strip()
-            if not eq or key not in fields:
-                raise StepError(f"system {name}: unknown option {opt[:40]!r}; options: {', '.join(fields) or '(none)'}")
-            try:
-                kwargs[key] = _convert(name, fields[key], val.strip())
-            except PlanError as e:
-                raise StepError(str(e).replace("pass ", "system ", 1)) from None
-    try:
-        return cls(**kwargs)
-    except AttnplanError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise StepError(f"system {name}: {e}") from None
+    if rest and (not rest.endswith("}") or "{" in rest):
+        raise StepError(f"system {spec[:60]!r}: expected name{{opt=value,...}}")
+    return instantiate(SYSTEMS[name], f"system {name}", rest[:-1], StepError)
 
 
 def check_int(owner: str, key: str, v, lo: int, hi: int) -> None:

@@ -44,14 +44,13 @@ A user's model is a JSON object with the fields of :class:`Model`
 
 from __future__ import annotations
 
-import json
 import os
-import stat
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from ..errors import StepError
+from ..ir.files import read_json
 from ..ir.limits import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_MODEL_DIM, MAX_MODEL_FILE
 
 LINEAR_BWD_FACTOR = 2.0     # linear backward / forward: input gradient + weight gradient
@@ -237,21 +236,5 @@ def load_model(spec) -> Model:
         return PRESETS[spec]
     if not spec.endswith(".json"):
         raise StepError(f"unknown model {spec[:60]!r}; presets: {', '.join(PRESETS)}, or a FILE.json")
-    try:
-        st = os.stat(spec)
-        if not stat.S_ISREG(st.st_mode):
-            raise StepError(f"model {spec}: not a regular file")
-        if st.st_size > MAX_MODEL_FILE:
-            raise StepError(f"model {spec}: {st.st_size:,} bytes, over the limit of {MAX_MODEL_FILE:,} "
-                            f"(ir/limits.py MAX_MODEL_FILE)")
-        with open(spec, "rb") as f:
-            raw = f.read(MAX_MODEL_FILE + 1)
-    except OSError as e:
-        raise StepError(f"model {spec}: cannot read it ({e.strerror or e})") from None
-    if len(raw) > MAX_MODEL_FILE:
-        raise StepError(f"model {spec}: over the limit of {MAX_MODEL_FILE:,} bytes (ir/limits.py)")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise StepError(f"model {spec}: not a JSON file ({type(e).__name__}: {str(e)[:80]})") from None
+    data = read_json(spec, MAX_MODEL_FILE, "MAX_MODEL_FILE", f"model {spec}", StepError)
     return model_from_dict(data, spec)
