@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("plan")
     ex.add_argument("--device", type=int, default=None, help="explain this device (default: the most loaded)")
     ex.add_argument("--profile", default=None)
+    from .cli_step import add_step_parser
+    add_step_parser(sub)  # plan step ...
     return ap
 
 
@@ -464,11 +466,16 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+def _cmd_step(args) -> int:
+    from .cli_step import cmd_step
+    return cmd_step(args)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cmds = {"compile": _cmd_compile, "stats": _cmd_stats, "run": _cmd_run, "show": _cmd_show, "mask": _cmd_mask,
             "compare": _cmd_compare, "bench": _cmd_bench, "calibrate": _cmd_calibrate, "viz": _cmd_viz,
-            "explain": _cmd_explain}
+            "explain": _cmd_explain, "step": _cmd_step}
     try:
         return cmds[args.cmd](args)
     except AttnplanError as e:

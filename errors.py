@@ -75,3 +75,18 @@ class DeadlockError(AttnplanError):
 class TransportError(AttnplanError):
     """A peer died, or a transfer or the plan handshake did not complete within
     the timeout; the message names the peer (device and rank) and the transfer key."""
+
+
+class StepError(AttnplanError):
+    """A training step that cannot be planned as asked: bad model, mesh or
+    system options, or a document no group of the mesh can hold."""
+
+
+class MemoryCapError(StepError):
+    """A device of a step plan over its memory cap; the message names the
+    device, the micro-batch and the bytes (also ``device``, ``micro_batch``,
+    ``bytes``, ``cap``)."""
+
+    def __init__(self, message: str, device: int = -1, micro_batch: int = -1, nbytes: int = 0, cap: int = 0):
+        self.device, self.micro_batch, self.bytes, self.cap = device, micro_batch, nbytes, cap
+        super().__init__(message)

@@ -30,15 +30,14 @@ builtin or loaded, is checked once, when it is built (``Profile.__post_init__``)
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import os
-import stat
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import numpy as np
 
 from ..errors import DeadlockError, PlanError
+from ..ir.files import read_json
 from ..ir.limits import MAX_PROFILE_FILE, MAX_TOKENS
 from ..ir.mask import Q0, Q1, piece_counts
 from ..ir.program import (A1, A2, ATTN, ATTN_BWD, BBYTES, BWD, FWD, M_BYTES, M_DST, M_SRC, OP, PHASES, RECV, SEND,
@@ -49,7 +48,7 @@ from ..ir.program import (A1, A2, ATTN, ATTN_BWD, BBYTES, BWD, FWD, M_BYTES, M_D
 _REAL_FIELDS = {
     "peak_flops": (1.0, True), "efficiency": (0.0, False), "launch_s": (0.0, True),
     "intra_bw": (1.0, True), "inter_bw": (1.0, True), "intra_alpha": (0.0, True),
-    "inter_alpha": (0.0, True), "mem_bw": (1.0, True), "bwd_factor": (0.0, False),
+    "inter_alpha": (0.0, True), "mem_bw": (1.0, True), "bwd_factor": (0.0, False), "memory_bytes": (1.0, True),
 }
 _MAX_REAL = 1e30
 
@@ -86,6 +85,7 @@ class Profile:
     inter_alpha: float
     mem_bw: float          # bytes/s for merges
     bwd_factor: float = 2.5
+    memory_bytes: float = 80 * 2**30  # device memory (the step planner's cap, attnplan.step)
 
     def __post_init__(self):
         """The one place a profile is checked: names, types and ranges (PlanError naming the field)."""
@@ -108,11 +108,11 @@ class Profile:
 
 
 PROFILES = {
-    # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 450 GB/s per direction; 400 Gb/s IB per GPU.
+    # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 450 GB/s per direction; 400 Gb/s IB per GPU; 80 GB (the default).
     "h100": Profile("h100", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 3.0e12),
-    # H200: H100 compute, 4.8 TB/s HBM3e.
-    "h200": Profile("h200", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 4.8e12),
-    # A100 SXM: 312 TFLOP/s; NVLink 3 300 GB/s per direction; 200 Gb/s IB per GPU.
+    # H200: H100 compute, 4.8 TB/s HBM3e, 141 GB.
+    "h200": Profile("h200", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 4.8e12, memory_bytes=141 * 2**30),
+    # A100 SXM (80 GB): 312 TFLOP/s; NVLink 3 300 GB/s per direction; 200 Gb/s IB per GPU.
     "a100": Profile("a100", 312e12, 0.6, 5e-6, 128, 240e9, 22e9, 10e-6, 20e-6, 1.8e12),
     # this 2-core CPU: the CPU flash op reaches 270-670 GFLOP/s bf16; gloo on loopback 1-3 GB/s.
     "cpu-local": Profile("cpu-local", 4e11, 1.0, 50e-6, 1, 2e9, 2e9, 50e-6, 50e-6, 5e9),
@@ -120,7 +120,8 @@ PROFILES = {
 DEFAULT_PROFILE = "h100"
 
 # keys ``plan calibrate`` writes beside the profile's fields, for the reader: accepted, not used
-INFO_KEYS = frozenset({"threads", "host"})
+# (``fit``: the fitted values with their residuals, runtime/calibrate.py)
+INFO_KEYS = frozenset({"threads", "host", "fit"})
 
 # share of the bf16 kernel rate reached by other dtypes (fp32 runs as TF32 on GPUs)
 DTYPE_EFFICIENCY = {"bfloat16": 1.0, "float16": 1.0, "float32": 0.5}
@@ -165,23 +166,7 @@ def load_profile_file(path) -> Profile:
     a name read from a plan. The file must be a regular file of at most
     ``MAX_PROFILE_FILE`` bytes."""
     path = os.fspath(path)
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise PlanError(f"cost profile {path}: not a regular file")
-        if st.st_size > MAX_PROFILE_FILE:
-            raise PlanError(f"cost profile {path}: {st.st_size:,} bytes, over the limit of {MAX_PROFILE_FILE:,} "
-                            f"(ir/limits.py MAX_PROFILE_FILE)")
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PROFILE_FILE + 1)
-    except OSError as e:
-        raise PlanError(f"cost profile {path}: cannot read it ({e.strerror or e})") from None
-    if len(raw) > MAX_PROFILE_FILE:
-        raise PlanError(f"cost profile {path}: over the limit of {MAX_PROFILE_FILE:,} bytes (ir/limits.py)")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise PlanError(f"cost profile {path}: not a JSON file ({type(e).__name__}: {str(e)[:80]})") from None
+    data = read_json(path, MAX_PROFILE_FILE, "MAX_PROFILE_FILE", f"cost profile {path}", PlanError)
     return profile_from_dict(data, path)
 
 

@@ -8,9 +8,11 @@ read batches. The language is described in :mod:`attnplan.frontend.lang`.
 Modules, one concern each: ``lang`` (the language's documentation,
 ``MaskProgram``, parsing), ``grammar`` (``mask.lark`` and syntax errors),
 ``tree`` (the syntax tree), ``names`` (name checking), ``values`` (numbers,
-position terms), ``evaluate`` (expressions to pieces), ``setops`` (mask set
-operations within the work limits), ``stdlib`` (named masks), ``lower``
-(whole batches), ``render`` (pictures), ``batch`` (batch files and lengths).
+position terms), ``periodic`` (``//`` and ``%`` of positions), ``evaluate``
+(expressions to pieces), ``cells`` (comparisons with floors to pieces),
+``setops`` (mask set operations within the work limits), ``stdlib`` (named
+masks), ``lower`` (whole batches), ``render`` (pictures), ``batch`` (batch
+files and lengths).
 """
 
 from .batch import Batch, load_batch, parse_seqlens

@@ -18,15 +18,19 @@ from fractions import Fraction
 from types import GeneratorType
 from typing import Any
 
+import numpy as np
+
 from attnplan.errors import MaskError
 from attnplan.ir.mask import INF, Pieces
 
 from . import setops
+from .cells import check_form, lower_chain
+from .periodic import TermError, add, floordiv, mod, scale
 from .setops import NODE_COST, Budget, LimitExceeded
 from .stdlib import BUILTINS, Builtin, Segments, segment_rows
 from .tree import Call, Chain, Fold, InSeg, Name, Num, Unary, start_of
-from .values import (FLIP, STATIC_MASK, UNKNOWN, Lin, RangeOverflow, arith, describe, fmt_lin, interval,
-                     is_mask, is_num, lin, mk_lin, negate)
+from .values import (FLIP, STATIC_MASK, UNKNOWN, Lin, Per, RangeOverflow, arith, describe, fmt_lin, fmt_term,
+                     interval, is_mask, is_num, is_term, lin, mk_lin, negate)
 
 __all__ = ["Evaluator"]
 
@@ -37,6 +41,24 @@ _WORDS = {"&": "intersection", "|": "union"}
 def _memo_key(v):
     """A hashable stand-in for an argument value (pieces by identity; the memo keeps them alive)."""
     return ("pieces", id(v)) if isinstance(v, Pieces) else v
+
+
+def _tight(rows) -> Pieces:
+    """``Pieces.of(rows)`` for a few rows in plain Python: the same tightening as
+    :func:`attnplan.ir.mask.tighten`, step for step, without a dozen numpy calls a row
+    (a 10,000-term union of comparisons spent half its time there)."""
+    out = []
+    for q0, q1, k0, k1, lo, hi in rows:
+        for _ in range(2):
+            lo = max(lo, k0 - (q1 - 1))
+            hi = min(hi, (k1 - 1) - q0)
+            q0 = max(q0, k0 - hi)
+            q1 = min(q1, k1 - lo)
+            k0 = max(k0, q0 + lo)
+            k1 = min(k1, q1 + hi)
+        if q0 < q1 and k0 < k1 and lo <= hi:
+            out.append((q0, q1, k0, k1, lo, hi))
+    return Pieces(np.array(out, dtype=np.int64).reshape(-1, 6))
 
 
 class Evaluator:
@@ -152,6 +174,9 @@ class Evaluator:
             problem = None if v is UNKNOWN else p.problem(v)
             if problem:
                 raise self.err(f"{b.name}: {problem}", *start_of(a))
+        fit = b.check(*args) if b.check is not None and all(v is not UNKNOWN for v in args) else None
+        if fit:
+            raise self.err(f"{b.name}: {fit[1]}", *start_of(arg_nodes[fit[0]]))
         if self.static:
             return STATIC_MASK
         size = b.max_pieces(self.L, self.seg, *args)
@@ -180,6 +205,10 @@ class Evaluator:
                                *start_of(t))
         if self.static:
             return STATIC_MASK
+        if op == "|":
+            apart = self._limited(setops.union_apart, node, values, self.budget)
+            if apart is not None:
+                return apart
         fn = setops.intersect if op == "&" else setops.union
         acc = values[0]
         for (_, line, col), v in zip(node.ops, values[1:]):
@@ -195,9 +224,11 @@ class Evaluator:
 
     def _linear(self, op, a, b, line, col):
         if is_num(a) and is_num(b):
-            if op == "//" and b == 0:
+            if op in ("//", "%") and b == 0:
                 raise self.err("division by zero", line, col)
             return arith(op, a, b)
+        if op in ("//", "%") or isinstance(a, Per) or isinstance(b, Per):
+            return self._periodic(op, a, b, line, col)
         if op in "+-":
             x, y = lin(a), lin(b)
             return mk_lin(arith(op, x.cq, y.cq), arith(op, x.ck, y.ck), arith(op, x.c, y.c))
@@ -207,8 +238,26 @@ class Evaluator:
                                f"a comparison must stay linear in q and k", line, col)
             term, s = (a, b) if isinstance(a, Lin) else (b, a)
             return mk_lin(arith("*", term.cq, s), arith("*", term.ck, s), arith("*", term.c, s))
-        raise self.err(f"`//` needs numbers on both sides; floor division of a position "
-                       f"({describe(a if isinstance(a, Lin) else b)}) is not linear", line, col)
+        raise TypeError(f"not an arithmetic operator: {op!r}")  # pragma: no cover - the grammar has no other
+
+    def _periodic(self, op, a, b, line, col):
+        """``a op b`` where a floor of a position is involved (:mod:`.periodic`)."""
+        try:
+            if op in "+-":
+                return add(a, b, 1 if op == "+" else -1)
+            if op == "*":
+                if is_term(a) and is_term(b):
+                    raise self.err(f"`({fmt_term(a)}) * ({fmt_term(b)})` multiplies two position terms; "
+                                   f"a comparison must stay linear in q and k", line, col)
+                return scale(*((a, b) if is_term(a) else (b, a)))
+            if is_term(b):
+                raise self.err(f"the right side of `{op}` must be a positive integer, got {describe(b)}: "
+                               f"`{op}` by a position (`q {op} k`) cannot be lowered to pieces", line, col)
+            if b == 0:
+                raise self.err("division by zero", line, col)
+            return floordiv(a, b) if op == "//" else mod(a, b)
+        except TermError as e:
+            raise self.err(str(e), line, col) from None
 
     def _unary(self, node: Unary, env):
         v = yield (node.operand, env)
@@ -229,6 +278,8 @@ class Evaluator:
             if is_mask(v):
                 raise self.err("a comparison compares numbers and position terms (q, k), not masks; "
                                "combine masks with & and |", *start_of(t))
+        if any(isinstance(v, Per) for v in values):
+            return self._periodic_chain(node, values)
         result = None
         for (op, line, col), a, b in zip(node.ops, values, values[1:]):
             m = self._compare(op, a, b, line, col)
@@ -238,6 +289,24 @@ class Evaluator:
                 result = m if result is None else self._limited(setops.intersect, node, result, m, self.budget,
                                                                 line=line, col=col)
         return result
+
+    def _periodic_chain(self, node: Chain, values):
+        """A chain with floors of positions: checked link by link, lowered as one conjunction."""
+        links = []
+        for (op, line, col), a, b in zip(node.ops, values, values[1:]):
+            e = self._limited(add, node, a, b, -1, line=line, col=col)
+            try:
+                check_form(e, op)
+            except TermError as err:
+                raise self.err(str(err), line, col) from None
+            links.append((e, op))
+        if self.static:
+            return STATIC_MASK
+        try:
+            return self._limited(lower_chain, node, self.L, links, self.budget, line=node.ops[0][1],
+                                 col=node.ops[0][2])
+        except TermError as err:
+            raise self.err(str(err), node.ops[0][1], node.ops[0][2]) from None
 
     def _compare(self, op, a, b, line, col):
         d, e = lin(a), lin(b)
@@ -283,4 +352,4 @@ class Evaluator:
                 rows.append((0, L, max(lo, 0), min(hi + 1, L), -INF, INF))
             else:
                 rows.append((0, L, 0, L, lo, hi))
-        return Pieces.of(rows) if rows else Pieces.empty()
+        return _tight(rows) if rows else Pieces.empty()

@@ -7,16 +7,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from lark import Lark, Token
-from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 from lark.lark import PostLex
 
 from attnplan.errors import MaskError
+from attnplan.ir.limits import MAX_MASK_DEPTH
 
-__all__ = ["parser", "syntax_error", "end_position"]
+__all__ = ["parse_text", "parser", "syntax_error", "end_position"]
+
+
+class TooDeep(Exception):
+    """More than MAX_MASK_DEPTH parentheses open at once (carries the token that passed it)."""
+
+    def __init__(self, tok: Token):
+        super().__init__(tok)
+        self.tok = tok
 
 
 class _ParenNewlines(PostLex):
-    """Drop newlines inside parentheses so an expression can span lines."""
+    """Drop newlines inside parentheses so an expression can span lines; stop at
+    MAX_MASK_DEPTH open parentheses."""
     always_accept = ("_NL",)
 
     def process(self, stream):
@@ -24,6 +34,8 @@ class _ParenNewlines(PostLex):
         for tok in stream:
             if tok.type == "LPAR":
                 depth += 1
+                if depth > MAX_MASK_DEPTH:
+                    raise TooDeep(tok)
             elif tok.type == "RPAR":
                 depth = max(0, depth - 1)
             elif tok.type == "_NL" and depth:
@@ -44,7 +56,7 @@ def parser() -> Lark:
 
 
 _EXPR_START = {"NAME", "NUMBER", "LPAR", "MINUS", "NOT"}
-_OPERATORS = {"PLUS", "MINUS", "STAR", "FLOORDIV", "CMP", "AND", "OR", "IN"}
+_OPERATORS = {"PLUS", "MINUS", "STAR", "FLOORDIV", "PERCENT", "CMP", "AND", "OR", "IN"}
 _PUNCT = {"LPAR": "'('", "RPAR": "')'", "COMMA": "','", "EQUAL": "'='", "LET": "'let'"}
 
 
@@ -105,6 +117,20 @@ def _unexpected_token(e: UnexpectedToken, text: str, filename: str) -> MaskError
     if tok.type == "EQUAL":
         msg += " (to compare, use `==`)"
     return MaskError(msg, filename, line or 1, col or 1, text)
+
+
+def parse_text(text: str, filename: str):
+    """lark's parse tree of ``text``; every failure is one MaskError with a line and column."""
+    try:
+        return parser().parse(text)
+    except UnexpectedInput as e:
+        raise syntax_error(e, text, filename) from None
+    except TooDeep as e:
+        raise MaskError(f"parentheses nested more than MAX_MASK_DEPTH = {MAX_MASK_DEPTH:,} deep (ir/limits.py)",
+                        filename, e.tok.line or 1, e.tok.column or 1, text) from None
+    except (LarkError, RecursionError) as e:  # never expected from LALR; still one clear error
+        line, col = end_position(text)
+        raise MaskError(f"cannot parse the mask ({type(e).__name__})", filename, line, col, text) from None
 
 
 def syntax_error(e: UnexpectedInput, text: str, filename: str) -> MaskError:

@@ -6,29 +6,64 @@ sample-relative :class:`~attnplan.ir.mask.Pieces` inside ``[0, L)^2``. Pieces
 are built directly, vectorized over blocks/chunks/answers where one piece per
 block is needed; nothing loops over tokens, and no dense matrix is ever made.
 
-=========================  ======================================================
-``causal``                 k <= q
-``full``                   every pair of the sample
-``true`` / ``false``       every pair / no pair
-``sliding_window(w)``      q - w < k <= q
-``streaming(s, w)``        k <= q and (k < s or q - k < w)
-``shared_question(n, f)``  question = first floor(L*f) tokens, causal; the rest
-                           split into n answers of floor((L - Lq)/n) tokens (the
-                           last takes the remainder); an answer sees the whole
-                           question and itself causally, never another answer
-``causal_blockwise(b, k)`` blocks of b tokens; the first and the last block
-                           (the one holding L-1) are causal (k <= q); any other
-                           token sees the first block and keys in
-                           [max(b, q - k*b), q]
-``block_causal(b)``        k < (floor(q/b) + 1) * b
-``prefix_lm(p)``           k < p or k <= q
-``chunked_causal(c)``      k <= q and floor(k/c) == floor(q/c)
-``same_segment``           q and k in the same segment
-``earlier_segment``        k's segment lies before q's
-=========================  ======================================================
+========================================  ==============================================================
+``causal``                                k <= q
+``full``                                  every pair of the sample
+``true`` / ``false``                      every pair / no pair
+``sliding_window(w)``                     q - w < k <= q
+``streaming(s, w)``                       k <= q and (k < s or q - k < w)
+``shared_question(n, f)``                 question = first floor(L*f) tokens, causal; the rest split
+                                          into n answers of floor((L - Lq)/n) tokens (the last takes the
+                                          remainder); an answer sees the whole question and itself
+                                          causally, never another answer
+``causal_blockwise(b, k)``                blocks of b tokens; the first and the last block (the one
+                                          holding L-1) are causal (k <= q); any other token sees the
+                                          first block and keys in [max(b, q - k*b), q]
+``block_causal(b)``                       k < (floor(q/b) + 1) * b
+``prefix_lm(p)``                          k < p or k <= q
+``chunked_causal(c)``                     k <= q and floor(k/c) == floor(q/c)
+``same_segment``                          q and k in the same segment
+``earlier_segment``                       k's segment lies before q's
+``document``                              q and k in the same document: attention-gym's document mask.
+                                          Samples never attend across each other; inside a sample its
+                                          segments are its documents (none given: one), so it is the
+                                          same mask as ``same_segment``, under the name ported masks use
+                                          (``document & causal``)
+``dilated_sliding_window(w, d)``          k <= q, q - k < w*d and (q - k) % d == 0: w keys, every d-th
+                                          (``dilated_sliding_window(w, 1)`` is ``sliding_window(w)``);
+                                          min(w, ceil(L/d)) pieces
+``global_tokens(n)``                      q < n or k < n: the first n tokens see every token and every
+                                          token sees them (Longformer/BigBird global tokens; combine:
+                                          ``sliding_window(w) | global_tokens(n)``)
+``natten2d(H, W, kh, kw)``                NATTEN neighborhood attention over an H x W canvas laid out
+                                          row-major (token t is row t // W, column t % W): the kh x kw
+                                          window centred on the query, shifted inwards at the canvas
+                                          edges, so every query sees exactly kh*kw keys (attention-gym's
+                                          ``generate_natten``; for a non-square canvas that one clamps
+                                          the row t // W against the width, here each axis is clamped
+                                          within its own extent). kh, kw odd, kh <= H, kw <= W. Only
+                                          tokens t < H*W are on the canvas: pairs with a token past H*W
+                                          are not in the mask (add them with ``|``); a sample shorter
+                                          than H*W is the first L tokens of the canvas, windows
+                                          unchanged (a query near the cut sees the keys that exist). At
+                                          most 3 pieces per (query row, key row) pair
+``sliding_tile2d(H, W, th, tw, kh, kw)``  sliding tile attention (FastVideo's STA; attention-gym's
+                                          ``generate_sta_mask_mod_2d`` with canvas (H, W), tile (th,
+                                          tw), kernel (kh*th, kw*tw), no text): the H x W canvas is cut
+                                          into tiles of th x tw tokens, each tile's tokens contiguous
+                                          (row-major inside the tile), tiles in row-major order over the
+                                          (H/th) x (W/tw) tile grid. A query sees the kh x kw tiles
+                                          around its tile, the window shifted inwards at the edges
+                                          (start clamp(tile - kh // 2, 0, H/th - kh), likewise for
+                                          columns). th divides H, tw divides W, kh <= H/th, kw <= W/tw.
+                                          Tokens past H*W and short samples as for ``natten2d``. At most
+                                          kh pieces per query tile
+========================================  ==============================================================
 
 Widths, lengths and counts must be positive integers; ``f`` is a number with
 ``0 < f < 1`` (decimal literals are exact, so ``floor(L*f)`` has no rounding).
+A builtin with several parameters checks how they fit together (a kernel
+inside its canvas) where its call is written.
 """
 
 from __future__ import annotations
@@ -41,6 +76,7 @@ from typing import Callable
 
 import numpy as np
 
+from attnplan.ir.limits import MAX_TOKENS
 from attnplan.ir.mask import INF, Pieces
 
 
@@ -85,6 +121,7 @@ class Builtin:
     doc: str
     uses_segments: bool = False
     size: Callable | None = None  # (L, seg, *args) -> at most this many pieces; None: a few (<= 6)
+    check: Callable | None = None  # (*args) -> (argument index, problem) or None: how parameters fit together
 
     def max_pieces(self, L, seg, *args) -> int:
         """An upper bound on the pieces ``build`` makes, known before building them."""
@@ -194,6 +231,84 @@ def _earlier_segment(L, seg: Segments):
     return _rows(seg.starts, seg.ends, 0, seg.starts, -INF, INF)
 
 
+def _dilated_sliding_window(L, seg, w, d):
+    lags = d * np.arange(min(w, (L - 1) // d + 1), dtype=np.int64)
+    return _rows(0, L, 0, L, -lags, -lags)
+
+
+def _global_tokens(L, seg, n):
+    n = min(n, L)
+    return _rows([0, n], [n, L], 0, [L, n], -INF, INF)
+
+
+def _window_starts(pos: np.ndarray, kernel: int, size: int) -> np.ndarray:
+    """First cell of the ``kernel`` cells around each of ``pos`` on an axis of ``size``
+    cells, shifted inwards at the edges: clamp(pos - kernel // 2, 0, size - kernel)."""
+    return np.clip(pos - kernel // 2, 0, size - kernel)
+
+
+def _canvas_rows(L, W, height, kernel_rows):
+    """(rows that exist, key rows per query row) on a canvas of ``height`` rows of ``W`` tokens."""
+    n = min(L, height * W)
+    rows = -(-n // W)
+    return n, rows, min(kernel_rows, rows)
+
+
+def _natten2d(L, seg, H, W, kh, kw):
+    n, rows, per_row = _canvas_rows(L, W, H, kh)
+    y = np.arange(rows, dtype=np.int64)
+    yk = _window_starts(y, kh, H)[:, None] + np.arange(per_row, dtype=np.int64)[None, :]
+    y, yk = np.broadcast_arrays(y[:, None], yk)
+    keep = yk < rows  # key rows past the cut hold no token
+    y, yk = y[keep], yk[keep]
+    r = kw // 2
+    q0, k0 = y * W, yk * W
+    # query columns < r see key columns [0, kw); columns >= W - r see [W - kw, W); the rest |dx| <= r
+    pieces = [_rows(q0, q0 + r, k0, k0 + kw, -INF, INF),
+              _rows(q0 + r, q0 + W - r, k0, k0 + W, k0 - q0 - r, k0 - q0 + r),
+              _rows(q0 + W - r, q0 + W, k0 + W - kw, k0 + W, -INF, INF)]
+    return _clip(Pieces.concat(pieces), n)
+
+
+def _clip(p: Pieces, n: int) -> Pieces:
+    """Pieces cut to ``[0, n)^2``."""
+    a = p.a.copy()
+    a[:, 1] = np.minimum(a[:, 1], n)
+    a[:, 3] = np.minimum(a[:, 3], n)
+    return Pieces.of(a)
+
+
+def _sliding_tile2d(L, seg, H, W, th, tw, kh, kw):
+    area, nh, nw = th * tw, H // th, W // tw
+    n = min(L, H * W)
+    tiles = np.arange(-(-n // area), dtype=np.int64)
+    start_row = _window_starts(tiles // nw, kh, nh)
+    start_col = _window_starts(tiles % nw, kw, nw)
+    key_rows = start_row[:, None] + np.arange(min(kh, nh), dtype=np.int64)[None, :]
+    first = (key_rows * nw + start_col[:, None]) * area
+    q0 = np.broadcast_to((tiles * area)[:, None], first.shape)
+    keep = first < n
+    rows = np.stack(np.broadcast_arrays(q0[keep], q0[keep] + area, first[keep], first[keep] + kw * area,
+                                        -INF, INF), axis=-1)
+    return _clip(Pieces(merge_rows(rows, 0, 1)), n)
+
+
+def merge_rows(rows: np.ndarray, lo: int, hi: int, step: int = 0) -> np.ndarray:
+    """Rows ``[n, 6]`` (disjoint pieces) with every two that are equal outside columns
+    (lo, hi) and touch (``hi`` of one + ``step`` == ``lo`` of the next) made one:
+    step 0 for the half-open q or k ranges, 1 for the closed band."""
+    if len(rows) < 2:
+        return rows
+    key = [c for c in range(6) if c not in (lo, hi)]
+    order = np.lexsort([rows[:, lo]] + [rows[:, c] for c in reversed(key)])
+    r = rows[order]
+    same = np.all(r[1:, key] == r[:-1, key], axis=1) & (r[:-1, hi] + step == r[1:, lo])
+    first = np.flatnonzero(np.concatenate([[True], ~same]))
+    out = r[first].copy()
+    out[:, hi] = r[np.append(first[1:], len(r)) - 1, hi]
+    return out
+
+
 def segment_rows(L, seg: Segments, var: str, kind: str) -> Pieces:
     """``q in kind`` (var "q") or ``k in kind`` (var "k")."""
     hit = seg.kinds == kind
@@ -209,6 +324,50 @@ def _per_block(L, seg, b):
 
 def _per_segment(L, seg):
     return len(seg.starts)
+
+
+def _natten_size(L, seg, H, W, kh, kw):
+    _, rows, per_row = _canvas_rows(L, W, H, kh)
+    return 3 * rows * per_row
+
+
+def _sta_size(L, seg, H, W, th, tw, kh, kw):
+    n = min(L, H * W)
+    return -(-n // (th * tw)) * min(kh, -(-n // (W * th)))
+
+
+def _canvas_problem(H, W):
+    if H * W > MAX_TOKENS:
+        return 0, f"the canvas H x W = {H} x {W} has more than MAX_TOKENS = {MAX_TOKENS:,} tokens (ir/limits.py)"
+    return None
+
+
+def _odd_inside(names: tuple, sizes: tuple):
+    def check(*args):
+        if _canvas_problem(args[0], args[1]):
+            return _canvas_problem(args[0], args[1])
+        for (i, kernel), (j, size) in zip(names, sizes):
+            k, s = args[i], args[j]
+            if k % 2 == 0:
+                return i, f"{kernel} must be odd (a window centred on the query), got {k}"
+            if k > s:
+                return i, f"{kernel} ({k}) must be at most {size} ({s})"
+        return None
+    return check
+
+
+def _check_sta(H, W, th, tw, kh, kw):
+    if _canvas_problem(H, W):
+        return _canvas_problem(H, W)
+    for i, tile, size, what in ((2, th, H, "th (tile height) must divide H"), (3, tw, W, "tw (tile width) must "
+                                                                               "divide W")):
+        if size % tile:
+            return i, f"{what}: {size} is not a multiple of {tile}"
+    for i, kernel, tiles, what in ((4, kh, H // th, "kh (window height in tiles)"),
+                                   (5, kw, W // tw, "kw (window width in tiles)")):
+        if kernel > tiles:
+            return i, f"{what} must be at most the {tiles} tiles of the canvas"
+    return None
 
 
 _W = Param("w", "positive", "window width")
@@ -234,4 +393,20 @@ BUILTINS: dict[str, Builtin] = {b.name: b for b in [
             "k <= q inside chunks of c tokens", size=_per_block),
     Builtin("same_segment", (), _same_segment, "q and k in the same segment", True, _per_segment),
     Builtin("earlier_segment", (), _earlier_segment, "k's segment lies before q's", True, _per_segment),
+    Builtin("document", (), _same_segment, "q and k in the same document (a sample's segments; = same_segment)",
+            True, _per_segment),
+    Builtin("dilated_sliding_window", (Param("w", "positive", "keys in the window"),
+                                       Param("d", "positive", "dilation")), _dilated_sliding_window,
+            "k <= q, q - k < w*d, (q - k) % d == 0", size=lambda L, seg, w, d: min(w, (L - 1) // d + 1)),
+    Builtin("global_tokens", (Param("n", "positive", "global tokens"),), _global_tokens, "q < n or k < n"),
+    Builtin("natten2d", (Param("H", "positive", "canvas height"), Param("W", "positive", "canvas width"),
+                         Param("kh", "positive", "kernel height"), Param("kw", "positive", "kernel width")),
+            _natten2d, "NATTEN: the kh x kw neighborhood on an H x W row-major canvas", size=_natten_size,
+            check=_odd_inside(((2, "kh (kernel height)"), (3, "kw (kernel width)")), ((0, "H"), (1, "W")))),
+    Builtin("sliding_tile2d", (Param("H", "positive", "canvas height"), Param("W", "positive", "canvas width"),
+                               Param("th", "positive", "tile height"), Param("tw", "positive", "tile width"),
+                               Param("kh", "positive", "window height in tiles"),
+                               Param("kw", "positive", "window width in tiles")),
+            _sliding_tile2d, "STA: the kh x kw tiles around the query's tile (tiles of th x tw tokens)",
+            size=_sta_size, check=_check_sta),
 ]}

@@ -22,9 +22,12 @@ from attnplan.ir.limits import MAX_MASK_INT
 from .stdlib import BUILTINS
 
 __all__ = ["Node", "Num", "Name", "Call", "Fold", "Unary", "Chain", "InSeg", "Let", "MaskStmt", "RESERVED",
-           "start_of", "to_ast"]
+           "FUTURE", "start_of", "to_ast"]
 
 RESERVED = ("q", "k", "L")
+# names kept for what the language will have (issue 12: per-head masks, cross-attention)
+FUTURE = {"h": "the query head of per-head masks", "Lq": "the query length of cross-attention samples",
+          "Lk": "the key length of cross-attention samples"}
 _MAX_DIGITS = len(str(MAX_MASK_INT))
 
 Err = Callable[..., MaskError]  # (message, line, col) -> MaskError
@@ -161,6 +164,8 @@ def _segtest(kids, err) -> InSeg:
 def check_definable(name: str, line: int, col: int, err: Err, what: str) -> None:
     if name in RESERVED:
         raise err(f"`{name}` is reserved (q, k: positions, L: sample length) and cannot be {what}", line, col)
+    if name in FUTURE:
+        raise err(f"`{name}` is reserved for {FUTURE[name]} (not supported yet) and cannot be {what}", line, col)
     if name == "mask":
         raise err("`mask` is reserved: write the mask expression as `mask = EXPR`", line, col)
     if name in BUILTINS:

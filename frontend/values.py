@@ -21,8 +21,8 @@ from attnplan.ir.mask import Pieces
 
 from .stdlib import fmt_number
 
-__all__ = ["UNKNOWN", "STATIC_MASK", "Lin", "RangeOverflow", "arith", "checked", "describe", "fmt_lin",
-           "interval", "is_mask", "is_num", "lin", "mk_lin", "negate", "FLIP"]
+__all__ = ["UNKNOWN", "STATIC_MASK", "Floor", "Lin", "Per", "RangeOverflow", "arith", "checked", "describe",
+           "fmt_lin", "interval", "is_mask", "is_num", "is_term", "lin", "mk_lin", "negate", "FLIP"]
 
 
 class _Unknown:
@@ -59,6 +59,33 @@ class Lin:
     c: Any
 
 
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """``floor((s*x + b) / m)`` for a position ``x``: ``var`` is "q", "k" or "d"
+    (d = k - q; None while checking when not yet known), ``s`` is 1 or -1, ``b``
+    an integer and ``m`` a positive integer (b, m may be UNKNOWN while checking).
+    When known, ``0 <= b < m`` (the whole part of b/m is moved to the constant)."""
+    var: str | None
+    s: int
+    b: Any
+    m: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Per:
+    """A position term with floors: ``cq*q + ck*k + c + sum(coef * f for f, coef in terms)``,
+    every coefficient nonzero (or UNKNOWN). ``x % m`` is ``x - m * (x // m)``."""
+    cq: Any
+    ck: Any
+    c: Any
+    terms: tuple  # ((Floor, coef), ...)
+
+
+def is_term(v) -> bool:
+    """A position term: linear in q and k, possibly with floors."""
+    return isinstance(v, (Lin, Per))
+
+
 def is_num(v) -> bool:
     return isinstance(v, (int, Fraction)) or v is UNKNOWN
 
@@ -80,7 +107,8 @@ def checked(v):
 
 
 def arith(op: str, a, b):
-    """``a op b`` on numbers (``//`` floors; ``b != 0`` is checked by the caller)."""
+    """``a op b`` on numbers (``//`` floors, ``%`` is ``a - b * (a // b)``; ``b != 0`` is
+    checked by the caller)."""
     if a is UNKNOWN or b is UNKNOWN:
         return UNKNOWN
     if op == "+":
@@ -89,11 +117,16 @@ def arith(op: str, a, b):
         return checked(a - b)
     if op == "*":
         return checked(a * b)
+    if op == "%":
+        return checked(a - b * math.floor(Fraction(a) / Fraction(b)))
     return checked(math.floor(Fraction(a) / Fraction(b)))
 
 
 def negate(v):
     """``-v`` for a number or a position term."""
+    if isinstance(v, Per):
+        return Per(arith("*", v.cq, -1), arith("*", v.ck, -1), arith("*", v.c, -1),
+                   tuple((f, arith("*", coef, -1)) for f, coef in v.terms))
     if isinstance(v, Lin):
         return mk_lin(arith("*", v.cq, -1), arith("*", v.ck, -1), arith("*", v.c, -1))
     return arith("*", v, -1)
@@ -112,11 +145,35 @@ def fmt_lin(v: Lin) -> str:
     return s.replace("+ -", "- ")
 
 
+_VAR_TEXT = {"q": "q", "k": "k", "d": "(k - q)", None: "?"}
+
+
+def fmt_floor(f: Floor) -> str:
+    x = _VAR_TEXT[f.var]
+    if f.s < 0:
+        x = "-" + x
+    if f.b is UNKNOWN or f.b:
+        x = f"({x} + {fmt_number(f.b) if f.b is not UNKNOWN else '?'})".replace("+ -", "- ")
+    return f"{x} // {fmt_number(f.m) if f.m is not UNKNOWN else '?'}"
+
+
+def fmt_term(v) -> str:
+    """A position term as text (floors written ``x // m``)."""
+    if isinstance(v, Lin):
+        return fmt_lin(v)
+    parts = [] if (v.cq == 0 and v.ck == 0 and v.c == 0) else [fmt_lin(Lin(v.cq, v.ck, v.c))]
+    for f, coef in v.terms:
+        text = fmt_floor(f)
+        parts.append(text if coef == 1 else f"-({text})" if coef == -1 else
+                     f"{fmt_number(coef) if coef is not UNKNOWN else '?'}*({text})")
+    return " + ".join(parts).replace("+ -", "- ")
+
+
 def describe(v) -> str:
     if is_mask(v):
         return "a mask"
-    if isinstance(v, Lin):
-        return f"the position term `{fmt_lin(v)}`"
+    if is_term(v):
+        return f"the position term `{fmt_term(v)}`"
     if v is UNKNOWN:
         return "a number"
     return f"the number {fmt_number(v)}"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
+from .arrays import unique
 from .limits import MAX_TILE_PIECES
 from .mask import K0, K1, Q0, Q1, piece_counts, tighten
 from .problem import Problem
@@ -126,18 +127,10 @@ def head_groups(kv_heads: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return bounds[:-1], bounds[1:]
 
 
-def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> BlockGraph:
-    """Tile ``problem`` at the token positions ``cuts`` (0 and T are added).
-
-    Vectorized: mask pieces are expanded over the q blocks they touch, then
-    over the kv blocks each clipped piece touches, clipped, tightened and
-    grouped by (q block, kv block)."""
-    T = problem.tokens
-    cuts = np.unique(np.concatenate([np.asarray(cuts, np.int64), [0, T]]))
-    cuts = cuts[(cuts >= 0) & (cuts <= T)]
-    starts, ends = cuts[:-1], cuts[1:]
-    P = problem.pieces.a
-    # over q blocks
+def q_block_rows(P: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+    """The mask pieces ``P`` clipped to the query rows of every token block
+    ``[starts[i], ends[i])`` they touch, tightened, empty ones dropped:
+    (rows, the piece each came from, its block)."""
     first = np.searchsorted(starts, P[:, Q0], "right") - 1
     last = np.searchsorted(starts, P[:, Q1] - 1, "right") - 1
     src, qb = _expand(first, last, "(mask piece, q block) rows")
@@ -145,7 +138,20 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> B
     rows[:, Q0] = np.maximum(rows[:, Q0], starts[qb])
     rows[:, Q1] = np.minimum(rows[:, Q1], ends[qb])
     keep = tighten(rows)
-    rows, src, qb = rows[keep], src[keep], qb[keep]
+    return rows[keep], src[keep], qb[keep]
+
+
+def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> BlockGraph:
+    """Tile ``problem`` at the token positions ``cuts`` (0 and T are added).
+
+    Vectorized: mask pieces are expanded over the q blocks they touch, then
+    over the kv blocks each clipped piece touches, clipped, tightened and
+    grouped by (q block, kv block)."""
+    T = problem.tokens
+    cuts = unique(np.concatenate([np.asarray(cuts, np.int64), [0, T]]))
+    cuts = cuts[(cuts >= 0) & (cuts <= T)]
+    starts, ends = cuts[:-1], cuts[1:]
+    rows, src, qb = q_block_rows(problem.pieces.a, starts, ends)
     # over kv blocks
     first = np.searchsorted(starts, rows[:, K0], "right") - 1
     last = np.searchsorted(starts, rows[:, K1] - 1, "right") - 1
@@ -176,11 +182,38 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> B
     )
 
 
-def sample_cuts(problem: Problem, block: int) -> np.ndarray:
-    """Sample boundaries and every ``block`` tokens from each sample start."""
+def sample_cuts(problem: Problem, block: int, pack: bool = True) -> np.ndarray:
+    """Token block starts: every ``block`` tokens from the start of each sample
+    longer than ``block``; consecutive samples of at most ``block`` tokens are
+    packed greedily, in order, into blocks of at most ``block`` tokens (a new
+    block starts where the next sample would not fit, and after a long
+    sample). A packed block is a varlen group: its tiles hold the pieces of
+    every short document in it, one compute block (one varlen kernel call) for
+    all of them, each piece's rows still rounded to the kernel tile on its own
+    (backends/cost.py). No sample straddles a packed block. ``pack=False``:
+    a block boundary at every sample start (one block per short sample)."""
     off = problem.offsets
     lens = problem.seqlens
-    per = (lens + block - 1) // block
+    long = lens > block if pack else np.ones(len(lens), bool)
+    per = np.where(long, (lens + block - 1) // block, 0)
     owner = np.repeat(np.arange(len(lens)), per)
     idx = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
-    return np.concatenate([off[owner] + idx * block, off])
+    return np.concatenate([off[owner] + idx * block, off[:1], _packed_starts(off, lens, long, block)])
+
+
+def _packed_starts(off: np.ndarray, lens: np.ndarray, long: np.ndarray, block: int) -> np.ndarray:
+    """Starts of the packed blocks of short samples (see :func:`sample_cuts`)."""
+    short = np.flatnonzero(~long)
+    if not len(short):
+        return np.zeros(0, np.int64)
+    # the greedy only restarts at a long sample or an overflow: one Python step per short sample
+    after_long = np.zeros(len(lens), bool)
+    after_long[1:] = long[:-1]
+    out, fill = [], block
+    for i, n, fresh in zip(short.tolist(), lens[short].tolist(), after_long[short].tolist()):
+        if fresh or fill + n > block:
+            out.append(i)
+            fill = n
+        else:
+            fill += n
+    return off[np.asarray(out, np.int64)]

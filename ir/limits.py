@@ -22,6 +22,7 @@ MAX_TILE_PIECES = 1 << 23       # (tile, mask piece) rows the tiler may expand, 
 MAX_MASK_PIECES = 1 << 22       # canonical mask pieces of one batch
 MAX_MASK_TEXT = 1 << 20         # characters of mask text
 MAX_MASK_INT = 1 << 62          # |integer literal| in mask text (the pieces' unbounded sentinel)
+MAX_MASK_DEPTH = 1 << 14        # parentheses open at once in mask text (deeper: one MaskError at the paren)
 MAX_MASK_WORK = 1 << 30         # work units (~ numpy row operations) to evaluate a mask for one parse or batch
 MAX_BATCH_FILE = 256 << 20      # bytes of a batch file (JSON / JSONL)
 MAX_PLAN_FILE = 256 << 20      # bytes of a plan file on disk
@@ -34,6 +35,13 @@ MAX_MEMORY_CAP = 1 << 62        # bytes of memory_cap (--memory-cap): far beyond
 MAX_TIMEOUT_S = 7 * 24 * 3600   # seconds a transfer may wait (--timeout, attention(timeout=))
 MAX_REPEATS = 1000              # repeats of one `plan calibrate` measurement
 MAX_MASK_WIDTH = 1024           # columns of a `plan mask` picture (4096 took 14 s and 1.5 GB)
+MAX_LAYERS = 4096               # layers of a step model (attnplan.step)
+MAX_MODEL_DIM = 1 << 24         # hidden size, MLP width and vocabulary of a step model
+MAX_MODEL_FILE = 1 << 20        # bytes of a model JSON (--model FILE.json)
+MAX_MESH_DEVICES = 1 << 14      # devices of one step's mesh (dp x cp x pp); each attention group <= MAX_DEVICES
+MAX_MICRO_BATCHES = 1 << 16     # micro-batches of one step plan
+MAX_STEP_FILE = 1 << 30         # bytes of a step plan file on disk (plan step compile -o F.step)
+MAX_STEP_BODY = 1 << 30         # bytes of a step plan body after decompression
 MAX_PREFETCH = 1024             # workers, and batches in flight (lookahead), of one PlanPrefetcher
 
 __all__ = [n for n in dir() if n.startswith("MAX_")]

@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .arrays import unique
 from .graph import BlockGraph
 from .limits import MAX_DEVICES, MAX_MASK_PIECES
 from .mask import HI, K0, K1, LO, Q0, Q1, first_overlap, normalize, piece_counts
@@ -226,7 +227,7 @@ def _unique_rows(tb, hg, src, dst, n_tb: int, n_hg: int, n: int) -> np.ndarray:
     if n_tb * n_hg * n * n >= 1 << 62:  # only for IR far over the stated limits
         rows = np.stack([tb, hg, src, dst], 1)
         return np.unique(rows, axis=0) if len(rows) else rows.reshape(0, 4)
-    key = np.unique(((tb * n_hg + hg) * n + src) * n + dst)
+    key = unique(((tb * n_hg + hg) * n + src) * n + dst)
     key, d = np.divmod(key, n)
     key, s = np.divmod(key, n)
     t, h = np.divmod(key, n_hg)

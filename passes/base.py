@@ -45,9 +45,10 @@ def strategies() -> tuple[str, ...]:
     return tuple(sorted(n for n, c in REGISTRY.items() if c.strategy))
 
 
-def _convert(pass_name: str, field: dataclasses.Field, text: str):
-    """The value of option ``field`` from its text: ints in decimal (at most
-    19 digits), finite floats, booleans; anything else is a PlanError."""
+def _convert(owner: str, field: dataclasses.Field, text: str, err: type[Exception] = PlanError):
+    """The value of option ``field`` of ``owner`` (``"pass tile"``) from its
+    text: ints in decimal (at most 19 digits), finite floats, booleans;
+    anything else is ``err``."""
     typ = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
     try:
         if typ.startswith("int"):
@@ -58,14 +59,14 @@ def _convert(pass_name: str, field: dataclasses.Field, text: str):
         if typ.startswith("float"):
             value = float(text)
             if not math.isfinite(value):
-                raise PlanError(f"pass {pass_name}: option {field.name} must be a finite number, got {text!r}")
+                raise err(f"{owner}: option {field.name} must be a finite number, got {text!r}")
             return value
         if typ.startswith("bool"):
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(text)
             return text.lower() in ("true", "1")
     except ValueError:
-        raise PlanError(f"pass {pass_name}: option {field.name} must be {typ}, got {text!r}") from None
+        raise err(f"{owner}: option {field.name} must be {typ}, got {text!r}") from None
     return text
 
 
@@ -88,6 +89,28 @@ def _split_top(spec: str) -> list[str]:
     return items + [cur]
 
 
+def instantiate(cls, owner: str, options: str, err: type[Exception] = PlanError):
+    """``cls(**options)`` from option text ``opt=value,...`` (the part between
+    the braces of ``name{...}``), each value converted to its field's type;
+    ``err`` naming ``owner`` (``"pass tile"``, ``"system wlb"``) on an unknown
+    option, a bad value or a rejected combination. Pipelines and step
+    systems are both written this way."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for opt in filter(None, (o.strip() for o in options.split(","))):
+        key, eq, val = opt.partition("=")
+        key = key.strip()
+        if not eq or key not in fields:
+            raise err(f"{owner}: unknown option {opt[:60]!r}; options: {', '.join(fields) or '(none)'}")
+        kwargs[key] = _convert(owner, fields[key], val.strip(), err)
+    try:
+        return cls(**kwargs)
+    except AttnplanError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise err(f"{owner}: {e}") from None
+
+
 def parse_pipeline(spec: str) -> list[Pass]:
     """``name{opt=value,...},name,...`` → pass instances (clear errors on unknown names/options)."""
     passes = []
@@ -99,25 +122,9 @@ def parse_pipeline(spec: str) -> list[Pass]:
         name = name.strip()
         if name not in REGISTRY:
             raise PlanError(f"unknown pass {name!r}; known passes: {', '.join(sorted(REGISTRY))}")
-        cls = REGISTRY[name]
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {}
-        if rest:
-            if not rest.endswith("}"):
-                raise PlanError(f"pipeline item {item!r}: expected '}}' at the end")
-            for opt in filter(None, (o.strip() for o in rest[:-1].split(","))):
-                key, eq, val = opt.partition("=")
-                key = key.strip()
-                if not eq or key not in fields:
-                    raise PlanError(f"pass {name}: unknown option {opt!r}; options: "
-                                    f"{', '.join(fields) or '(none)'}")
-                kwargs[key] = _convert(name, fields[key], val.strip())
-        try:
-            passes.append(cls(**kwargs))
-        except AttnplanError:
-            raise
-        except (TypeError, ValueError) as e:
-            raise PlanError(f"pass {name}: {e}") from None
+        if rest and not rest.endswith("}"):
+            raise PlanError(f"pipeline item {item!r}: expected '}}' at the end")
+        passes.append(instantiate(REGISTRY[name], f"pass {name}", rest[:-1], PlanError))
     return passes
 
 

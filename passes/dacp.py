@@ -248,6 +248,9 @@ class Dacp(Pass):
         if not self.slack >= 1.0:
             raise PlanError(f"dacp: slack must be >= 1.0, got {self.slack}")
 
+    def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
+        """Segment starts and their devices (what :func:`place_segments` takes)."""
+        return dacp_segments(ir.problem, dacp_classify(ir.problem, ir.devices, self.bucket, self.slack), ir.devices)
+
     def apply(self, ir: PlanIR) -> PlanIR:
-        c = dacp_classify(ir.problem, ir.devices, self.bucket, self.slack)
-        return place_segments(ir, *dacp_segments(ir.problem, c, ir.devices))
+        return place_segments(ir, *self.segments(ir))

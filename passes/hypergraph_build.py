@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.arrays import unique
 from ..ir.graph import BlockGraph
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 
@@ -180,7 +181,7 @@ def coarsen(h: _Hyper, verts: np.ndarray, grain: float) -> tuple[_Hyper, np.ndar
     rank[np.argsort(c_kind, kind="stable")] = np.arange(nc)
     cluster = rank[cluster]
     _, first = np.unique(cluster, return_index=True)
-    pins = np.unique(pn * nc + cluster[pv])
+    pins = unique(pn * nc + cluster[pv])
     return _Hyper(
         n_cb=int((c_kind == 0).sum()), pin_net=pins // nc, pin_vtx=pins % nc, net_w=h.net_w,
         work=np.bincount(cluster, weights=work, minlength=nc).astype(np.int64),

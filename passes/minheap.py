@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
+from ..ir.arrays import unique
 from ..ir.graph import _expand
 from ..ir.mask import Q0, Q1, piece_counts, tighten
 from ..ir.module import PlanIR
@@ -127,7 +128,7 @@ def split_by_work(pieces: np.ndarray, bounds: np.ndarray, areas: np.ndarray, cap
         reached = prefix_pairs(pieces, mid) >= target
         hi = np.where(open_ & reached, mid, hi)
         lo = np.where(open_ & ~reached, mid + 1, lo)
-    return np.unique(np.concatenate([bounds, np.minimum(lo, bounds[iv + 1])]))
+    return unique(np.concatenate([bounds, np.minimum(lo, bounds[iv + 1])]))
 
 
 def minheap_assign(areas: np.ndarray, devices: int, per_device: float, sizes: np.ndarray | None = None) -> np.ndarray:

@@ -56,10 +56,14 @@ class PerDoc(Pass):
     needs = ("graph",)
     strategy = True
 
-    def apply(self, ir: PlanIR) -> PlanIR:
+    def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
+        """Segment starts and their devices (what :func:`place_segments` takes)."""
         p = ir.problem
         sizes, dev = per_doc_chunks(p.seqlens, ir.devices)
         starts = (p.offsets[:-1, None] + np.cumsum(sizes, axis=1) - sizes).ravel()
         chunk_dev = np.broadcast_to(dev, sizes.shape).ravel()
         keep = sizes.ravel() > 0  # sorted: documents in order, chunks in order
-        return place_segments(ir, starts[keep], chunk_dev[keep])
+        return starts[keep], chunk_dev[keep]
+
+    def apply(self, ir: PlanIR) -> PlanIR:
+        return place_segments(ir, *self.segments(ir))

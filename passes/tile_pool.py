@@ -98,10 +98,19 @@ def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: 
     order = np.lexsort((-cost, qkey, -row_cost[qkey]))
     load = np.zeros(n)
     out = np.empty(g.n_cb, np.int64)
+    # devices holding each key's Q / KV: a local block whose Q or KV (of positive bytes) is held by its home
+    # alone can only go home when home has room (every other device would add bytes) — decided without the
+    # device scan below
+    q_held = [1 if b > 0 else 0 for b in qbytes.tolist()]
+    kv_held = [1 if b > 0 else 0 for b in kvbytes.tolist()]
     for c, w, qk, kk, own in zip(order.tolist(), cost[order].tolist(), qkey[order].tolist(),
                                  kkey[order].tolist(), local[order].tolist()):
         if own >= 0:
             reserved[own] -= w
+            if (q_held[qk] == 1 or kv_held[kk] == 1) and load[own] + w <= cap:
+                out[c] = own
+                load[own] += w
+                continue
         inc = np.where(has_q[qk], 0.0, q_inc[qk]) + np.where(has_kv[kk], 0.0, kv_inc[kk])
         room = load + reserved + w <= cap
         if own >= 0:
@@ -116,6 +125,8 @@ def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: 
         d = int(cand[np.argmin(load[cand])])
         out[c] = d
         load[d] += w
+        q_held[qk] += q_held[qk] > 0 and not has_q[qk, d]
+        kv_held[kk] += kv_held[kk] > 0 and not has_kv[kk, d]
         has_q[qk, d] = True
         has_kv[kk, d] = True
     return out

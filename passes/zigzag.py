@@ -25,7 +25,10 @@ class Zigzag(Pass):
     strategy = True
     default_comm = "ring"  # what ring-flash-attn / TransformerEngine run today
 
-    def apply(self, ir: PlanIR) -> PlanIR:
+    def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
+        """Segment starts and their devices (what :func:`place_segments` takes)."""
         n = ir.devices
-        bounds = chunk_bounds(ir.problem.tokens, 2 * n)
-        return place_segments(ir, bounds[:-1], zigzag_device(np.arange(2 * n), n))
+        return chunk_bounds(ir.problem.tokens, 2 * n)[:-1], zigzag_device(np.arange(2 * n), n)
+
+    def apply(self, ir: PlanIR) -> PlanIR:
+        return place_segments(ir, *self.segments(ir))

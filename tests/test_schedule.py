@@ -91,7 +91,10 @@ def test_divide_needs_p2p():
 
 
 def test_simulator_accounts_for_every_block_and_message():
-    plan = compile_("tile{block=256},zigzag,comm{mode=ring},overlap,emit")
+    # one block per short document (pack=false): with packed blocks the recorded message intervals of one
+    # sender can overlap (a message is drawn ending when the busier of its two queues is done, while the
+    # sender's queue already serves the next one; the link-sharing simulator of issue 11 replaces this model)
+    plan = compile_("tile{block=256,pack=false},zigzag,comm{mode=ring},overlap,emit")
     prof = get_profile("h100")
     sim = simulate(plan.ir, prof, record=True)
     for phase in ("fwd", "bwd"):

@@ -7,7 +7,15 @@ the program) and the event simulation, and the placement alone already bounds
 what a strategy can reach: a placement whose busiest device has more work
 than the best simulated plan's whole makespan cannot win.
 
-1. **Place** every strategy: ``tile`` and the strategy pass of its default
+0. **Preview** the strategies whose placement is segments homed on devices
+   with compute where Q lives (zigzag, per_doc, dacp: their pass has
+   ``segments(ir)``): :func:`segment_bound` bounds their estimate from the
+   segments alone, without tiles — the busiest device's query blocks (one
+   kernel launch each at least) and pairs. Per-document zigzag of hundreds
+   of short documents on 32 devices is the case it is for: building its
+   ~10^6 tiles is the slowest thing auto could do, and the launches alone
+   already lose.
+1. **Place**: ``tile`` (once, shared) and the strategy pass of each default
    pipeline (:func:`attnplan.api.default_pipeline`), verified as in
    ``compile``. The mask is lowered once for all of them.
 2. **Estimate** each placement (:func:`estimate`): per device and phase, its
@@ -28,25 +36,27 @@ than the best simulated plan's whole makespan cannot win.
    waits for all its sends and receives, each queue serving one transfer at
    a time); on the shared batches it is 0.63–1.0 of the predicted time
    (median 0.90), lowest where inter-node traffic is exposed.
-3. **Branch and bound**: finish the candidates (the rest of their pipeline,
-   from the placement already made, verified as in ``compile``) and simulate
-   them in increasing order of estimate, and stop at the first one whose
-   estimate exceeds the best predicted time so far: as the estimate is a
-   lower bound, neither it nor any later one can be faster. The lowest
-   predicted time wins (ties: the first name, as the exhaustive search).
-   The choice is therefore the exhaustive search's (compile and simulate
-   every strategy), at the cost of the placements plus the finished
-   candidates: 1.38 on average on the shared batches at 8 and 32 devices,
-   at most 3 (benchmarks/auto_bench.py); ``tests/test_auto.py`` checks the
-   bound and the choice. ``keep`` forces at least that many to be finished.
+3. **Branch and bound** over those lower bounds, smallest first (:func:`search`):
+   a strategy known only by its preview is placed when its preview comes
+   up (its estimate is never below the preview); a placed one is finished
+   (the rest of its pipeline, verified as in ``compile``) and simulated;
+   the first bound above the best predicted time so far ends the search —
+   as every bound is a lower bound, nothing after it can be faster. The
+   lowest predicted time wins (ties: the first name, as the exhaustive
+   search). The choice is therefore the exhaustive search's (compile and
+   simulate every strategy), at the cost of the previews, the placements
+   that come up and the finished candidates (benchmarks/auto_bench.py);
+   ``tests/test_auto.py`` checks the bounds and the choice. ``keep`` forces
+   at least that many to be finished.
 
 The chosen plan's IR and pipeline are exactly those of ``compile(strategy=
 winner)``. Its ``meta`` records, as pure functions of the inputs (no
 timings): ``candidates`` (predicted seconds of the simulated ones),
-``estimates`` (the bound of every strategy that could place the batch) and
-``pruned`` (strategy → why it was not simulated: its bound against the best
-predicted time, or the PlanError it raised). ``Plan.measured`` (in memory
-only) has the seconds of every placement and of the search after them.
+``estimates`` (the estimate of every strategy that was placed) and
+``pruned`` (strategy → why it was not simulated: its bound — a preview
+before placing, or the estimate — against the best predicted time, or the
+PlanError it raised). ``Plan.measured`` (in memory only) has the seconds of
+every preview and placement and of every finished candidate.
 
 Everything runs in this process: a process pool for the placements
 (``concurrent.futures``, forkserver, workers started with attnplan imported)
@@ -57,6 +67,7 @@ earlier version of auto_bench.py), so there is none.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass
@@ -65,7 +76,11 @@ import numpy as np
 
 from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, simulate
 from ..errors import PlanError
+from ..ir.arrays import unique
+from ..ir.graph import q_block_rows
+from ..ir.mask import HI, K0, K1, LO, Q0, Q1, piece_counts
 from ..ir.module import PlanIR
+from ..ir.placement import segment_home
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers
@@ -148,6 +163,46 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p") -> Estimate:
                     float((compute + comp_b).max()), float((comm_f + comm_b).max()), bytes_f + bytes_b)
 
 
+def row_tiles(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per piece (clipped to one q block, tightened): the token blocks (sorted
+    ``starts``) that its first or its last query row reaches, whichever is
+    more. A piece's row allows one contiguous key interval, so each of those
+    blocks holds an allowed pair of the q block: a lower bound of the q
+    block's tiles (exact for a causal document cut into blocks)."""
+    out = np.zeros(len(rows), np.int64)
+    for q in (rows[:, Q0], rows[:, Q1] - 1):
+        lo = np.maximum(rows[:, K0], q + rows[:, LO])
+        hi = np.minimum(rows[:, K1] - 1, q + rows[:, HI])
+        out = np.maximum(out, np.searchsorted(starts, hi, "right") - np.searchsorted(starts, lo, "right") + 1)
+    return out
+
+
+def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof) -> float:
+    """A lower bound of :func:`estimate` for a strategy that homes segments
+    ``[starts[i], starts[i+1])`` on ``devices[i]`` and computes where Q lives
+    (``place_segments`` with its default compute), from the segments alone —
+    no tiles: the token blocks are the tile pass's cut at the segment starts;
+    each is the Q of at least :func:`row_tiles` tiles, so its device launches
+    at least that many compute blocks per head group for it, and computes
+    all of its rows' pairs (unrounded: tile rounding only adds).
+    Forward + backward of the busiest device: ``estimate`` takes at least
+    each phase's compute maximum, and the backward is the forward ×
+    ``bwd_factor`` device by device. Costs one pass over (piece, q block)."""
+    g, n = tiled.need_graph(), tiled.devices
+    cuts = unique(np.concatenate([g.tb_start, np.asarray(starts, np.int64), [tiled.problem.tokens]]))
+    rows, _, qb = q_block_rows(tiled.problem.pieces.a, cuts[:-1], cuts[1:])
+    dev = segment_home(cuts[:-1], np.asarray(starts, np.int64), np.asarray(devices, np.int64))
+    pairs = np.bincount(dev[qb], weights=piece_counts(rows).astype(float), minlength=n)
+    per_row = row_tiles(rows, cuts[:-1])
+    order = np.lexsort((per_row, qb))  # by q block, its largest count last
+    last = np.flatnonzero(np.diff(np.append(qb[order], -1)))  # each q block's largest count
+    blocks = np.bincount(dev[qb[order][last]], weights=per_row[order][last], minlength=n) * g.n_hg
+    p = tiled.problem
+    rate = DTYPE_EFFICIENCY.get(p.dtype, 1.0)
+    fwd = (prof.launch_s * blocks + 4.0 * p.head_dim * p.heads * pairs / prof.flops) / rate
+    return float(fwd.max()) * (1.0 + prof.bwd_factor) if n else 0.0
+
+
 # ------------------------------------------------------------------------------------------ the search
 
 def _split(passes: list) -> tuple[list, list]:
@@ -189,19 +244,37 @@ class Placed:
         return math.inf if self.estimate is None else self.estimate.total_s
 
 
-def place(name: str, base: PlanIR, kwargs: dict, prof) -> Placed:
-    """Step 1 and 2 for strategy ``name`` (a PlanError becomes ``Placed.error``)."""
+def _heads(kwargs: dict) -> dict[str, list]:
+    """Per strategy: the tile pass and the placement pass of its default pipeline."""
     from ..api import default_pipeline
+    return {name: _split(parse_pipeline(default_pipeline(name, kwargs["block_size"])))[0] for name in strategies()}
+
+
+def _run(ir: PlanIR, passes: list, kwargs: dict) -> PlanIR:
+    return run_pipeline(ir, passes, verify_each=kwargs["verify"], instruments=kwargs["instruments"],
+                        max_compute_blocks=kwargs["max_compute_blocks"])
+
+
+def place(name: str, tiled: PlanIR, strategy_pass, kwargs: dict, prof) -> Placed:
+    """Steps 1 and 2 for strategy ``name`` on the tiled IR (a PlanError becomes ``Placed.error``)."""
     t0 = time.perf_counter()
     try:
-        head, _ = _split(parse_pipeline(default_pipeline(name, kwargs["block_size"])))
-        ir = run_pipeline(base, head, verify_each=kwargs["verify"], instruments=kwargs["instruments"],
-                          max_compute_blocks=kwargs["max_compute_blocks"])
+        ir = _run(tiled, [strategy_pass], kwargs)
         est = estimate(ir, prof, REGISTRY[name].default_comm)
     except PlanError as e:
         return Placed(name, error=_reason(e), seconds=time.perf_counter() - t0)
     return Placed(name, ir, est, seconds=time.perf_counter() - t0)
 
+
+def preview(strategy_pass, tiled: PlanIR, prof) -> float:
+    """Step 0: :func:`segment_bound` of a strategy whose pass exposes its
+    segments (``segments(ir)``: zigzag, per_doc, dacp), else 0 (it must be
+    placed to be bounded). Raises the strategy's PlanError."""
+    segments = getattr(strategy_pass, "segments", None)
+    if segments is None:
+        return 0.0
+    starts, devices = segments(tiled)
+    return segment_bound(tiled, starts, devices, prof)
 
 
 def finish(p: Placed, kwargs: dict, prof) -> tuple[PlanIR, list, float]:
@@ -219,26 +292,64 @@ def finish(p: Placed, kwargs: dict, prof) -> tuple[PlanIR, list, float]:
 _REL = 1e-9  # the bound is exact up to summation order: prune only beyond this relative slack
 
 
-def search(placed: list[Placed], kwargs: dict, prof, keep: int = KEEP):
-    """Step 3: (the winner as (name, IR, passes) or None, predicted seconds
-    of the simulated candidates, pruned name -> reason)."""
-    pruned = {p.name: p.error for p in placed if p.estimate is None}
-    ranked = sorted((p for p in placed if p.estimate is not None), key=lambda p: (p.total_s, p.name))
+def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
+    """Steps 0–3 as one branch and bound over lower bounds, smallest first
+    (ties by name): a strategy not yet placed has its :func:`preview` bound,
+    a placed one its estimate, a finished one its predicted time. Popping an
+    unplaced strategy places it (its estimate is never below its preview);
+    popping a placed one finishes and simulates it. Once ``keep`` are
+    finished, the first bound above the best predicted time ends the search:
+    it and everything after it cannot win. Returns (the winner as (name, IR,
+    passes) or None, predicted seconds of the finished ones, estimates of the
+    placed ones, pruned name -> reason, measured seconds: ``place_s`` and
+    ``finish_s`` per strategy)."""
+    heads = _heads(kwargs)
+    tiled_by: dict[str, PlanIR] = {}
+    pruned: dict[str, str] = {}
+    seconds: dict[str, float] = {}   # per strategy: preview and placement
+    finishing: dict[str, float] = {}  # per finished (or failed) candidate: the rest of its pipeline and simulation
+    heap: list = []
+    for name, (tile, strat) in heads.items():
+        t0 = time.perf_counter()
+        try:
+            if tile.spec() not in tiled_by:
+                tiled_by[tile.spec()] = _run(base, [tile], kwargs)
+            heapq.heappush(heap, (preview(strat, tiled_by[tile.spec()], prof), name, None))
+        except PlanError as e:
+            pruned[name] = _reason(e)
+        seconds[name] = time.perf_counter() - t0
     best: tuple[str, PlanIR, list] | None = None
     candidates: dict[str, float] = {}
-    for i, p in enumerate(ranked):
-        if best is not None and i >= keep and p.total_s > candidates[best[0]] * (1 + _REL):
-            pruned[p.name] = (f"lower bound {p.total_s * 1e3:.4g} ms > {candidates[best[0]] * 1e3:.4g} ms, the "
-                              f"predicted time of {best[0]}")
+    estimates: dict[str, float] = {}
+    while heap:
+        bound, name, p = heapq.heappop(heap)
+        if best is not None and len(candidates) >= keep and bound > candidates[best[0]] * (1 + _REL):
+            for b, n, q in [(bound, name, p)] + sorted(heap):
+                how = "" if q is not None else " from its segments, before placing"
+                pruned[n] = (f"lower bound {b * 1e3:.4g} ms{how} > {candidates[best[0]] * 1e3:.4g} ms, the "
+                             f"predicted time of {best[0]}")
+            break
+        if p is None:
+            tile, strat = heads[name]
+            p = place(name, tiled_by[tile.spec()], strat, kwargs, prof)
+            seconds[name] += p.seconds
+            if p.estimate is None:
+                pruned[name] = p.error
+            else:
+                estimates[name] = p.total_s
+                heapq.heappush(heap, (p.total_s, name, p))
             continue
+        t0 = time.perf_counter()
         try:
-            ir, passes, candidates[p.name] = finish(p, kwargs, prof)
+            ir, passes, candidates[name] = finish(p, kwargs, prof)
         except PlanError as e:
-            pruned[p.name] = _reason(e)
+            pruned[name] = _reason(e)
             continue
-        if best is None or (candidates[p.name], p.name) < (candidates[best[0]], best[0]):
-            best = (p.name, ir, passes)
-    return best, candidates, pruned
+        finally:
+            finishing[name] = time.perf_counter() - t0
+        if best is None or (candidates[name], name) < (candidates[best[0]], best[0]):
+            best = (name, ir, passes)
+    return best, candidates, estimates, pruned, {"place_s": seconds, "finish_s": finishing}
 
 
 def compile_auto(kwargs: dict, keep: int = KEEP):
@@ -248,18 +359,13 @@ def compile_auto(kwargs: dict, keep: int = KEEP):
     from ..api import Plan
     t0 = time.perf_counter()
     prof = get_profile(kwargs["profile"])
-    base = problem_ir(kwargs)
-    placed = [place(name, base, kwargs, prof) for name in strategies()]
-    t1 = time.perf_counter()
-    best, candidates, pruned = search(placed, kwargs, prof, keep)
+    best, candidates, estimates, pruned, spent = search(problem_ir(kwargs), kwargs, prof, keep)
     if best is None:
         raise PlanError("auto: no strategy could plan this batch (" +
                         "; ".join(f"{n}: {r}" for n, r in sorted(pruned.items())) + ")")
     name, ir, passes = best
     meta = {"pipeline": ",".join(p.spec() for p in passes), "strategy": f"auto:{name}",
             "block_size": kwargs["block_size"], "profile": kwargs["profile"], "candidates": candidates,
-            "estimates": {p.name: p.total_s for p in sorted(placed, key=lambda p: p.name) if p.estimate is not None},
-            "pruned": dict(sorted(pruned.items()))}
-    measured = {"plan_s": time.perf_counter() - t0, "place_wall_s": t1 - t0, "finish_wall_s": time.perf_counter() - t1,
-                "place_s": {p.name: p.seconds for p in placed}}
+            "estimates": dict(sorted(estimates.items())), "pruned": dict(sorted(pruned.items()))}
+    measured = {"plan_s": time.perf_counter() - t0, **spent}
     return Plan(ir, meta, measured, prof)

@@ -91,7 +91,11 @@ class PlanPrefetcher:
     lazily. ``compile_kwargs``: every other argument of ``attnplan.compile``
     (mask, devices, heads, strategy, ...). ``workers=0`` compiles in this
     process when a batch is asked for. ``lookahead``: batches in flight
-    (default ``2 * workers``). Use as a context manager (or call
+    (default ``2 * workers``). ``compile_fn``/``decode``: another kind of
+    plan (the step loader's): a module-level ``compile_fn(seqlens, segments,
+    kwargs)`` returning what :func:`compile_to_bytes` returns, run in the
+    workers, and ``decode(bytes, source)`` run on arrival (default: attention
+    plans, ``Plan.from_bytes``). Use as a context manager (or call
     :meth:`close`) to stop the workers early::
 
         with attnplan.PlanPrefetcher(batches, dict(mask="causal", devices=2), workers=2) as pf:
@@ -104,7 +108,7 @@ class PlanPrefetcher:
     """
 
     def __init__(self, batches, compile_kwargs: dict | None = None, workers: int = 1, lookahead: int | None = None,
-                 mp_context: str = "spawn"):
+                 mp_context: str = "spawn", compile_fn=None, decode=None):
         if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
             raise PlanError(f"PlanPrefetcher: compile_kwargs must be a dict, got {type(compile_kwargs).__name__}")
         kwargs = dict(compile_kwargs or {})
@@ -123,6 +127,10 @@ class PlanPrefetcher:
         except TypeError:
             raise PlanError(f"PlanPrefetcher: batches must be iterable, got {type(batches).__name__}") from None
         self.kwargs, self.workers, self.lookahead = kwargs, workers, lookahead
+        # hook for other plan kinds (tools/step_loader.py): a module-level worker function like
+        # compile_to_bytes, and decode(bytes, source) for its bytes, called in this process
+        self._compile = compile_to_bytes if compile_fn is None else compile_fn
+        self._decode = Plan.from_bytes if decode is None else decode
         self._queue: deque[_Item] = deque()
         self._pool = ProcessPoolExecutor(workers, mp_context=self._ctx) if workers else None
         self._done = False
@@ -156,12 +164,12 @@ class PlanPrefetcher:
         if self._pool is None:
             return None
         try:
-            return self._pool.submit(compile_to_bytes, lens, segs, self.kwargs)
+            return self._pool.submit(self._compile, lens, segs, self.kwargs)
         except BrokenProcessPool:
             self._restart("(between batches)")
             if self._pool is None:  # closed: deaths repeated; __next__ says so
                 return None
-            return self._pool.submit(compile_to_bytes, lens, segs, self.kwargs)
+            return self._pool.submit(self._compile, lens, segs, self.kwargs)
 
     def __iter__(self):
         return self
@@ -180,11 +188,11 @@ class PlanPrefetcher:
         self._fill()
         if res[0] == "error":
             raise res[1].with_prefix(f"batch {item.name}: ")
-        return item.batch, Plan.from_bytes(res[1], f"<plan of batch {item.name}>")
+        return item.batch, self._decode(res[1], f"<plan of batch {item.name}>")
 
     def _result(self, item: "_Item"):
         if item.future is None:
-            return compile_to_bytes(item.seqlens, item.segments, self.kwargs)
+            return self._compile(item.seqlens, item.segments, self.kwargs)
         try:
             res = item.future.result()
         except BrokenProcessPool:

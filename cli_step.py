@@ -1,0 +1,154 @@
+"""``plan step ...``: the training step as the unit of planning (attnplan.step).
+
+    plan step compare (--batch FILE[:NAME] | --seqlens ...) --model M --mesh dp=D,cp=C [--nodes K]
+                      [--systems a,b|all] [--profile P] [--json]
+    plan step compile (--batch ... | --seqlens ...) --model M --mesh ... --system S -o F.step
+    plan step show F.step [--json]
+
+``compare``: one row per system, side by side on the same global batch;
+``compile``: one system's step plan file (the micro-batch plan and every
+micro-batch's attention plan, :mod:`attnplan.step.stepfile`); ``show``: every
+fragment of a step file with its micro-batch and global ranks. Every input
+error is one line on stderr and exit code 2 (``cli.main`` catches it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from .errors import StepError
+from .ir import limits
+
+
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        t = text.strip()
+        if not re.fullmatch(r"[+-]?[0-9]{1,30}", t) or not lo <= int(t) <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in {lo:,}..{hi:,}, got {text[:40]!r}")
+        return int(t)
+    parse.__name__ = "int"
+    return parse
+
+
+def _gib(text: str) -> int:
+    """An argparse type: GiB of memory per device (a positive number), as bytes."""
+    t = text.strip()
+    if not re.fullmatch(r"[0-9]{1,7}(\.[0-9]{1,6})?", t) or float(t) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, e.g. 80, got {text[:40]!r}")
+    return int(float(t) * 2**30)
+
+
+def _problem_args(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--seqlens", help="comma-separated document lengths, e.g. 60000,3000,900")
+    src.add_argument("--batch", help="batch file (JSON or JSONL) or FILE:NAME for one line of a JSONL file")
+    p.add_argument("--model", default="llama3-8b", help="preset (llama3-8b, llama3-70b, qwen2.5-0.5b, qwen2.5-7b, "
+                   "gpt-7b, llama-13b) or FILE.json")
+    p.add_argument("--mesh", required=True, help="dp=D,cp=C[,pp=P]")
+    p.add_argument("--nodes", type=_int_in(1, limits.MAX_MESH_DEVICES), default=None,
+                   help="nodes the mesh spans (default: 8 devices a node)")
+    p.add_argument("--profile", default="h100", help="cost profile: h100, h200, a100, cpu-local, or FILE.json")
+    p.add_argument("--mask", default="causal", help="the documents' mask (default: causal)")
+    p.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
+    p.add_argument("--recompute", default="full", choices=["full", "none"], help="activation recompute")
+    p.add_argument("--memory", type=_gib, default=None, help="GiB per device (default: the profile's)")
+
+
+def add_step_parser(sub) -> None:
+    """``plan step`` and its subcommands, added to ``plan``'s subparsers."""
+    st = sub.add_parser("step", help="plan whole training steps (micro-batches x groups) and compare the systems")
+    ss = st.add_subparsers(dest="step_cmd", required=True, parser_class=type(st))
+    cp = ss.add_parser("compare", help="every batch-level system on one global batch, side by side")
+    _problem_args(cp)
+    cp.add_argument("--systems", default="all", help="comma-separated systems (options in braces: wlb{micro=2}), "
+                    "or all")
+    cp.add_argument("--json", action="store_true")
+    co = ss.add_parser("compile", help="one system's step plan file: micro-batches, groups, attention plans")
+    _problem_args(co)
+    co.add_argument("--system", default="fixed", help="the batch-level system, e.g. wlb or pool{micro=2}")
+    co.add_argument("-o", "--output", required=True, help="step plan file to write (F.step)")
+    sh = ss.add_parser("show", help="every fragment of a step plan file with its micro-batch and global ranks")
+    sh.add_argument("step_file")
+    sh.add_argument("--json", action="store_true")
+
+
+def _mesh(args):
+    from .step import parse_mesh
+    probe = parse_mesh(args.mesh)
+    per_node = 8
+    if args.nodes is not None:
+        if probe.devices % args.nodes:
+            raise StepError(f"--nodes {args.nodes}: the mesh's {probe.devices} devices do not split evenly over "
+                            f"{args.nodes} nodes")
+        per_node = probe.devices // args.nodes
+    return parse_mesh(args.mesh, per_node, recompute=args.recompute, memory_cap=args.memory or 0)
+
+
+def _problem(args):
+    from .frontend import load_batch, parse_seqlens
+    from .step import make_problem
+    mesh = _mesh(args)
+    if args.seqlens is not None:
+        lens = parse_seqlens(args.seqlens)
+    else:
+        b = load_batch(args.batch)
+        if b.segments is not None:
+            raise StepError("plan step does not take segments yet: give a batch of plain documents")
+        lens = b.seqlens
+    return make_problem(lens, model=args.model, mesh=mesh, profile=args.profile, mask=args.mask,
+                        block_size=args.block_size)
+
+
+def _cmd_compare(args) -> int:
+    from .step.compare import compare_systems, format_rows, system_list
+    names = system_list(args.systems)
+    problem = _problem(args)
+    mesh = problem.mesh
+    rows, _ = compare_systems(problem, names)
+    if args.json:
+        print(json.dumps({"model": problem.model.name, "mesh": mesh.spec(), "devices_per_node": mesh.devices_per_node,
+                          "profile": problem.profile.name, "tokens": problem.tokens, "documents": problem.docs,
+                          "rows": rows}, indent=2))
+    else:
+        print(f"{problem.tokens:,} tokens in {problem.docs} documents, {problem.model.name}, {mesh.spec()} on "
+              f"{mesh.nodes} node(s) of {mesh.devices_per_node}, {problem.profile.name}, recompute {mesh.recompute}")
+        print(format_rows(rows))
+    return 0
+
+
+def _cmd_compile(args) -> int:
+    from .cli import _check_output, _summary_stream, _write_output
+    from .step import compile_step, parse_system
+    from .step.stepfile import pack
+    _check_output(args.output, "step plan file", binary=True)
+    parse_system(args.system)
+    c = compile_step(_problem(args), args.system)
+    where = _write_output(args.output, pack(c), "step plan file")
+    r = c.report
+    print(f"wrote {where}: {c.plan.system}, {r['micro_batches']} micro-batches on {r['devices']} devices, step "
+          f"{r['step_s'] * 1e3:.1f} ms ({r['step_over_lower_bound']:.3f} x lower bound), DP imbalance "
+          f"{r['dp_imbalance']:.3f}, peak {r['peak_memory_bytes'] / 2**30:.1f} of {r['memory_cap_bytes'] / 2**30:.0f} "
+          f"GiB, planned in {r['plan_s']:.2f} s", file=_summary_stream(args.output))
+    return 0
+
+
+def _cmd_show(args) -> int:
+    from .step.stepfile import read_file, to_json
+    loaded = read_file(args.step_file)
+    if args.json:
+        print(json.dumps(to_json(loaded), indent=1))
+    else:
+        print(loaded.plan.to_text(limit=limits.MAX_SAMPLES))
+    return 0
+
+
+def cmd_step(args) -> int:
+    cmds = {"compare": _cmd_compare, "compile": _cmd_compile, "show": _cmd_show}
+    return cmds[args.step_cmd](args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from .cli import main
+    sys.exit(main(["step", *sys.argv[1:]]))

@@ -1,0 +1,84 @@
+"""Systems side by side on one global batch (``plan step compare``): every
+system asked for is planned, lowered, verified and simulated on the same
+:class:`StepProblem`; a system that cannot plan the batch (a document no
+group can hold, a device over its memory cap, a plan its verifier refuses)
+gets a row with its one-line error instead of stopping the comparison; a bad
+batch or mask fails before any system runs. Every number comes from the
+system's own step report (:func:`attnplan.step.simulate.simulate_step`)."""
+
+from __future__ import annotations
+
+from ..errors import PlanError, StepError, VerifyError
+from .base import parse_system, system_names
+from .driver import CompiledStep, compile_step
+from .ir import StepProblem
+
+COLUMNS = ("system", "micro_batches", "step_s", "lower_bound_s", "step_over_lower_bound", "dp_imbalance",
+           "exposed_grad_s", "peak_memory_bytes", "memory_cap_bytes", "plan_s")
+
+
+def system_list(text) -> list[str]:
+    """``all`` (every registered system) or names separated by ``,`` outside braces, each checked."""
+    if text is None or (isinstance(text, str) and text.strip() == "all"):
+        return list(system_names())
+    if not isinstance(text, str):
+        raise StepError("systems must be text such as fixed,wlb or all")
+    items, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "{") - (ch == "}")
+        if ch == "," and depth == 0:
+            items.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    items.append(cur.strip())
+    items = [i for i in items if i]
+    if not items:
+        raise StepError(f"no system given in {text[:40]!r} (e.g. fixed,wlb or all)")
+    for i in items:
+        parse_system(i)
+    return items
+
+
+def row_of(name: str, c: CompiledStep) -> dict:
+    r = c.report
+    return {"system": name, **{k: r[k] for k in COLUMNS[1:]}, "spec": c.plan.system, "tokens": r["tokens"],
+            "tokens_queued": r["tokens_queued"], "max_slots": r["max_slots"], "info": r["info"],
+            "strategies": sorted(set(r["per_mb"]["strategy"]))}
+
+
+def compare_systems(problem: StepProblem, names, progress=None) -> tuple[list[dict], dict[str, CompiledStep]]:
+    """Plan ``problem`` with every system in ``names``; (rows, compiled steps by name). Rows gain
+    ``speedup_vs_fixed`` when a ``fixed`` row planned."""
+    rows, done = [], {}
+    for name in names:
+        try:
+            c = compile_step(problem, name)
+        except (StepError, PlanError, VerifyError) as e:  # this system's failure (a broken pass included)
+            rows.append({"system": name, "error": str(e).splitlines()[0]})
+        else:
+            done[name] = c
+            rows.append(row_of(name, c))
+        if progress is not None:
+            progress(name)
+    base = next((r for r in rows if r["system"].startswith("fixed") and "error" not in r), None)
+    for r in rows:
+        if base is not None and "error" not in r:
+            r["speedup_vs_fixed"] = base["step_s"] / r["step_s"]
+    return rows, done
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'system':<14} {'mb':>4} {'step ms':>9} {'bound ms':>9} {'step/LB':>7} {'DP imb':>6} "
+            f"{'grad ms':>7} {'peak GiB':>8} {'cap':>5} {'plan s':>6} {'vs fixed':>8}")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['system']:<14} {r['error']}")
+            continue
+        vs = f"{r['speedup_vs_fixed']:.2f}x" if "speedup_vs_fixed" in r else "-"
+        lines.append(f"{r['system']:<14} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
+                     f"{r['lower_bound_s'] * 1e3:>9.1f} {r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} "
+                     f"{r['exposed_grad_s'] * 1e3:>7.1f} {r['peak_memory_bytes'] / 2**30:>8.1f} "
+                     f"{r['memory_cap_bytes'] / 2**30:>5.0f} {r['plan_s']:>6.2f} {vs:>8}")
+    return "\n".join(lines)

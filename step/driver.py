@@ -1,0 +1,45 @@
+"""Planning one training step end to end, the same for every system:
+
+    system (batch pass) ── apply ──▶ StepPlan ── verify_plan
+      ── lower every micro-batch (frontend + attention passes, verified after each pass; cached)
+      ── simulate the whole step, peak memory per device ── verify_lowered (plans match, memory under the cap)
+
+:func:`compile_step` returns a :class:`CompiledStep`; ``plan_s`` (wall
+seconds, all of the above) is measured, never part of a plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .base import StepPass, parse_system
+from .ir import StepPlan, StepProblem
+from .lower import Lowered, lower_step
+from .simulate import memory, simulate_step
+from .verify import verify_lowered, verify_plan
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledStep:
+    plan: StepPlan
+    lowered: tuple[Lowered, ...]
+    report: dict
+    measured: dict = field(default_factory=dict)
+
+
+def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify: bool = True) -> CompiledStep:
+    """Plan ``problem`` with ``system`` (a name, ``name{opt=value}`` text or a pass), lower, verify, simulate."""
+    t0 = time.perf_counter()
+    sp = parse_system(system)
+    plan = sp.apply(problem)
+    if verify:
+        verify_plan(plan)
+    lowered = lower_step(plan)
+    peak, peak_mb = memory(plan, lowered)
+    if verify:
+        verify_lowered(plan, lowered, peak, peak_mb, problem.cap)
+    report = simulate_step(plan, lowered)
+    plan_s = time.perf_counter() - t0
+    report["plan_s"] = plan_s
+    return CompiledStep(plan, tuple(lowered), report, {"plan_s": plan_s})

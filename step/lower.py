@@ -1,0 +1,309 @@
+"""Lowering: every micro-batch of a step plan becomes an attention plan on
+its group, built exactly as :func:`attnplan.compile` builds one — the batch's
+mask lowered by the frontend over the micro-batch's samples, then the default
+pipeline ``tile{block=B},STRATEGY,comm{mode=...},overlap,emit`` run with the
+verifier after every pass — without the face (the step layer sits below it).
+
+A micro-batch's attention plan depends only on (sample lengths, group size,
+nodes it spans, strategy, block size, mask), so :class:`AttentionCache`
+lowers and simulates each distinct one once: the ``dp`` identical
+micro-batches of a fixed-length batch cost one compile, and a system that
+compares strategies for a micro-batch (WLB-LLM's per-micro-batch choice)
+reuses the winner when the step is lowered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backends.cost import Profile, cb_seconds, get_profile, simulate
+from ..errors import BatchError, PlanError, StepError
+from ..frontend import MaskProgram, load_mask, lower_batch
+from ..ir.limits import MAX_SAMPLES, MAX_TOKENS
+from ..ir.module import PlanIR
+from ..ir.problem import Problem
+from ..ir.program import BBYTES, BWD, FWD
+from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategies
+from .ir import StepPlan, StepProblem
+from .mesh import Mesh
+from .model import Model, load_model
+
+
+def pipeline_text(strategy: str, block_size: int) -> str:
+    """The default attention pipeline of :func:`attnplan.api.default_pipeline`, one step a line."""
+    return ",".join([
+        f"tile{{block={block_size}}}",                       # token blocks per sample, the block graph
+        strategy,                                           # placement
+        f"comm{{mode={REGISTRY[strategy].default_comm}}}",  # transfers
+        "overlap",                                          # next stage's transfers fly during compute
+        "emit",                                             # per-device instruction streams, fwd + bwd
+    ])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Lowered:
+    """One micro-batch's verified attention plan and its simulation, per
+    group-local device: tokens homed, forward/backward finish and busy
+    seconds of one layer's attention, buffer bytes (the larger phase)."""
+
+    ir: PlanIR
+    strategy: str
+    tokens: np.ndarray
+    fwd_finish: np.ndarray
+    bwd_finish: np.ndarray
+    fwd_busy: np.ndarray
+    bwd_busy: np.ndarray
+    buffers: np.ndarray
+    plan_pairs: int
+
+    @property
+    def predicted_s(self) -> float:
+        return float(self.fwd_finish.max() + self.bwd_finish.max())
+
+
+class AttentionCache:
+    """Memo of lowered micro-batches (a pure function of the key; see the module doc)."""
+
+    def __init__(self, mask: MaskProgram, profile: Profile, block_size: int):
+        self.mask, self.profile, self.block_size = mask, profile, block_size
+        self._plans: dict[tuple, Lowered] = {}
+        self._failed: dict[tuple, PlanError] = {}
+        self._placed: dict[tuple, PlanIR] = {}
+        self._best: dict[tuple, Lowered] = {}
+        self.compiles = 0
+
+    def get(self, lens: tuple[int, ...], devices: int, nodes: int, strategy: str, heads: tuple[int, int, int]
+            ) -> Lowered:
+        key = (lens, devices, nodes, strategy, heads)
+        hit = self._plans.get(key)
+        if hit is not None:
+            return hit
+        if key in self._failed:
+            raise self._failed[key]
+        try:
+            out = self._lower(lens, devices, nodes, strategy, heads)
+        except PlanError as e:
+            self._failed[key] = e
+            raise
+        self._plans[key] = out
+        return out
+
+    def _place(self, lens, devices, nodes, strategy, heads) -> PlanIR:
+        """The micro-batch tiled and placed by ``strategy`` (the first two passes of the pipeline),
+        kept until the rest of the pipeline runs on it."""
+        key = (lens, devices, nodes, strategy, heads)
+        hit = self._placed.get(key)
+        if hit is not None:
+            return hit
+        if key in self._failed:
+            raise self._failed[key]
+        if strategy not in strategies():
+            raise StepError(f"unknown attention strategy {strategy!r}; known: {', '.join(strategies())}")
+        h, hkv, d = heads
+        problem = Problem(seqlens=np.asarray(lens, np.int64), heads=h, kv_heads=hkv, head_dim=d,
+                          pieces=lower_batch(self.mask, list(lens)), mask=self.mask.source)
+        passes = parse_pipeline(pipeline_text(strategy, self.block_size))[:2]
+        try:
+            ir = self._placed[key] = run_pipeline(PlanIR(problem, devices, nodes), passes)
+        except PlanError as e:
+            self._failed[key] = e  # a strategy that cannot take the micro-batch is tried once
+            raise
+        return ir
+
+    def _lower(self, lens, devices, nodes, strategy, heads) -> Lowered:
+        placed = self._place(lens, devices, nodes, strategy, heads)
+        self.compiles += 1
+        ir = run_pipeline(placed, parse_pipeline(pipeline_text(strategy, self.block_size))[2:])
+        self._placed.pop((lens, devices, nodes, strategy, heads), None)
+        sim = simulate(ir, self.profile)
+        g, pl, prog = ir.need_graph(), ir.need_placement(), ir.need_program()
+        tokens = np.bincount(pl.home, weights=g.tb_len, minlength=devices).astype(np.int64)
+        buffers = np.array([max(int(prog.buffers[FWD][i][:, BBYTES].sum()), int(prog.buffers[BWD][i][:, BBYTES].sum()))
+                            for i in range(devices)], dtype=np.int64)
+        return Lowered(ir, strategy, tokens, np.asarray(sim["fwd"]["finish_s"]), np.asarray(sim["bwd"]["finish_s"]),
+                       np.asarray(sim["fwd"]["compute_s"]), np.asarray(sim["bwd"]["compute_s"]), buffers,
+                       int(g.cb_pairs.sum()))
+
+    def bound(self, lens, devices, nodes, strategy, heads) -> float:
+        """A lower bound of ``strategy``'s predicted attention time, from its placement alone: the busiest
+        device's compute (tile rounding and launches included), forward and backward, no communication."""
+        ir = self._place(lens, devices, nodes, strategy, heads)
+        per = np.bincount(ir.need_placement().cb_device, weights=cb_seconds(ir.need_graph(), self.profile),
+                          minlength=devices)
+        return float(per.max()) * (1.0 + self.profile.bwd_factor)
+
+    def best(self, lens, devices, nodes, candidates, heads, bounds: dict | None = None) -> Lowered:
+        """The candidate strategy with the lowest predicted attention time (ties: the first listed). A
+        candidate whose :meth:`bound` (or ``bounds[name]``) is no better than the best so far is not lowered.
+        The choice is memoized: equal micro-batches choose once."""
+        memo = (lens, devices, nodes, tuple(candidates), heads)
+        if memo in self._best:
+            return self._best[memo]
+        best, errors = None, []
+        for s in candidates:
+            key = (lens, devices, nodes, s, heads)
+            try:
+                if best is not None and key not in self._plans and (
+                        bounds[s] if bounds and s in bounds else self.bound(lens, devices, nodes, s, heads)
+                ) >= best.predicted_s:
+                    continue
+                low = self.get(lens, devices, nodes, s, heads)
+            except PlanError as e:
+                errors.append(f"{s}: {str(e).splitlines()[0]}")
+                continue
+            if best is None or low.predicted_s < best.predicted_s:
+                best = low
+        for s in candidates:  # placements kept for bounds only
+            self._placed.pop((lens, devices, nodes, s, heads), None)
+        if best is None:
+            raise PlanError("no attention strategy can take the micro-batch: " + "; ".join(errors))
+        self._best[memo] = best
+        return best
+
+
+    def auto(self, lens, devices, nodes, heads) -> Lowered:
+        """Every registered strategy that can take the micro-batch, lowered best bound first until the next
+        bound cannot beat the best predicted time (the step layer's ``compile(strategy="auto")``)."""
+        bounds = {}
+        for s in strategies():
+            try:
+                bounds[s] = self.bound(lens, devices, nodes, s, heads)
+            except PlanError:
+                continue
+        order = sorted(bounds, key=lambda s: (bounds[s], s))
+        return self.best(lens, devices, nodes, order or list(strategies()), heads, bounds)
+
+
+def choose_strategy(problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarray, option: str,
+                    adaptive: tuple[str, ...] = ()) -> str:
+    """The attention strategy of one micro-batch for a system's option: a strategy name as is;
+    ``adaptive``: the faster of the system's ``adaptive`` candidates; ``auto``: the fastest of all."""
+    if option not in ("adaptive", "auto"):
+        return option
+    cache, nodes = cache_of(problem), group_nodes(problem.mesh, ranks)
+    if option == "auto":
+        return cache.auto(lens, len(ranks), nodes, heads_of(problem)).strategy
+    return cache.best(lens, len(ranks), nodes, adaptive, heads_of(problem)).strategy
+
+
+def check_option(system: str, key: str, value: str, adaptive: bool) -> None:
+    """A strategy option of a system: a registered strategy, ``auto``, or ``adaptive`` where it has one."""
+    allowed = ("auto", "adaptive") if adaptive else ("auto",)
+    if value not in allowed and value not in strategies():
+        raise StepError(f"{system}: {key} must be {' or '.join(allowed)} or one of {', '.join(strategies())}, "
+                        f"got {value!r:.40}")
+
+
+# ---------------------------------------------------------------------------------------- problems
+
+def doc_pairs(mask: MaskProgram, seqlens: np.ndarray) -> np.ndarray:
+    """Allowed (q, k) pairs of every document under ``mask``, each distinct length lowered once."""
+    distinct, inverse = np.unique(seqlens, return_inverse=True)
+    per = np.array([mask.lower(int(n)).pair_count() for n in distinct.tolist()], dtype=np.int64)
+    return per[inverse]
+
+
+def make_problem(seqlens, model="llama3-8b", mesh: Mesh | None = None, profile="h100", mask="causal",
+                 block_size: int = 2048, carried=(), carried_origin=None, step: int = 0, packing=None
+                 ) -> StepProblem:
+    """A checked :class:`StepProblem`: this step's document lengths after the
+    ``carried`` ones (lengths queued by earlier steps, with their
+    ``carried_origin`` rows ``(step, index)``), every size against
+    ir/limits.py. BatchError for bad lengths, StepError for the rest."""
+    if mesh is None:
+        raise StepError("a step needs a mesh, e.g. Mesh(dp=4, cp=8)")
+    if not isinstance(mesh, Mesh):
+        raise StepError(f"mesh must be an attnplan.step.Mesh, got {type(mesh).__name__}")
+    if mesh.pp > 1:
+        raise StepError(f"pipeline parallelism (pp={mesh.pp}) is not simulated yet: plan one stage (pp=1)")
+    mdl: Model = load_model(model)
+    prof = get_profile(profile)
+    prog = mask if isinstance(mask, MaskProgram) else load_mask(mask)
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or not 1 <= block_size <= MAX_TOKENS:
+        raise StepError(f"block_size must be an integer in 1..{MAX_TOKENS:,}, got {block_size!r:.40}")
+    new = _lengths(seqlens, "seqlens")
+    old = _lengths(carried, "carried", allow_empty=True)
+    lens = np.concatenate([old, new])
+    if len(lens) > MAX_SAMPLES or int(lens.sum()) > MAX_TOKENS:
+        raise BatchError(f"the step has {len(lens):,} documents and {int(lens.sum()):,} tokens; at most "
+                         f"MAX_SAMPLES = {MAX_SAMPLES:,} and MAX_TOKENS = {MAX_TOKENS:,} (ir/limits.py)")
+    if carried_origin is None:
+        carried_origin = np.stack([np.full(len(old), -1, np.int64), np.arange(len(old), dtype=np.int64)], 1)
+    carried_origin = np.asarray(carried_origin, np.int64).reshape(-1, 2)
+    if len(carried_origin) != len(old):
+        raise StepError(f"carried_origin has {len(carried_origin)} rows for {len(old)} carried documents")
+    origin = np.concatenate([carried_origin, np.stack([np.full(len(new), step, np.int64),
+                                                        np.arange(len(new), dtype=np.int64)], 1)])
+    if packing is not None:
+        packing = np.asarray(packing)
+        if packing.shape != (len(lens),) or packing.dtype.kind not in "iu" or (len(packing) and packing.min() < 0):
+            raise StepError(f"packing must give a non-negative sequence id for each of the {len(lens)} documents")
+        packing = packing.astype(np.int64)
+    return StepProblem(seqlens=lens, origin=origin, pairs=doc_pairs(prog, lens), model=mdl, mesh=mesh, profile=prof,
+                       mask=prog.source, block_size=int(block_size), carried=len(old), step=int(step),
+                       packing=packing, cache=AttentionCache(prog, prof, int(block_size)))
+
+
+def _lengths(v, name: str, allow_empty: bool = False) -> np.ndarray:
+    a = np.asarray(list(v) if isinstance(v, (tuple, range)) else v)
+    if a.ndim != 1 or (a.dtype.kind not in "iu" and len(a)):
+        raise BatchError(f"{name} must be a list of positive document lengths")
+    if not len(a) and not allow_empty:
+        raise BatchError(f"{name}: the batch has no documents")
+    if len(a) > MAX_SAMPLES:
+        raise BatchError(f"{name}: {len(a):,} documents, over MAX_SAMPLES = {MAX_SAMPLES:,} (ir/limits.py)")
+    a = a.astype(np.int64) if len(a) else np.zeros(0, np.int64)
+    bad = np.flatnonzero((a < 1) | (a > MAX_TOKENS))
+    if len(bad):
+        raise BatchError(f"{name}[{bad[0]}] = {a[bad[0]]} is not a length in 1..{MAX_TOKENS:,}")
+    return a
+
+
+def cache_of(problem: StepProblem) -> AttentionCache:
+    c = problem.cache
+    if not isinstance(c, AttentionCache):
+        raise StepError("the step problem has no attention cache: build it with attnplan.step.make_problem")
+    return c
+
+
+def heads_of(problem: StepProblem) -> tuple[int, int, int]:
+    m = problem.model
+    return (m.heads, m.kv_heads, m.head_dim)
+
+
+def group_nodes(mesh: Mesh, ranks: np.ndarray) -> int:
+    """Nodes a group spans (the attention plan's ``nodes``)."""
+    return int(len(np.unique(mesh.node_of(ranks))))
+
+
+def lower_mb(plan: StepPlan, m: int) -> Lowered:
+    """Micro-batch ``m``'s attention plan (cached)."""
+    p = plan.problem
+    ranks = plan.mb_ranks(m)
+    return cache_of(p).get(plan.mb_seqlens(m), len(ranks), group_nodes(p.mesh, ranks), plan.mb_strategy[m],
+                           heads_of(p))
+
+
+def lower_step(plan: StepPlan) -> list[Lowered]:
+    """Every micro-batch's attention plan, verified after every pass (PlanError names the micro-batch)."""
+    out = []
+    for m in range(plan.n_mb):
+        try:
+            out.append(lower_mb(plan, m))
+        except PlanError as e:
+            raise PlanError(f"micro-batch {m} ({plan.mb_strategy[m]} on {len(plan.mb_ranks(m))} devices): "
+                            f"{str(e).splitlines()[0]}") from None
+    return out
+
+
+def next_problem(plan: StepPlan, seqlens) -> StepProblem:
+    """The next step's problem: the documents ``plan`` queued (``queue_out``, in queue order, with their
+    origins) carried in front of the new batch ``seqlens``; model, mesh, profile, mask and block size kept."""
+    p = plan.problem
+    q = plan.queue_out
+    return make_problem(seqlens, model=p.model, mesh=p.mesh, profile=p.profile, mask=cache_of(p).mask,
+                        block_size=p.block_size,
+                        carried=p.seqlens[q], carried_origin=p.origin[q], step=p.step + 1)

@@ -1,0 +1,629 @@
+"""flexsp — FlexSP (Wang, Wang, Zhu et al. 2025, arXiv:2412.01523; survey
+§1.1, §3.1): heterogeneous sequence-parallel groups of power-of-two sizes run
+concurrently on the DP × CP pool, and a MILP assigns the sequences to them.
+
+The step's documents are cut into micro-batches that fit the pool's memory;
+for each, the *time-balanced assignment* of the survey
+
+    min  C
+    s.t. Σ_k A_kp · t(s_k, d_p) ≤ C                  ∀ groups p        (time)
+         Σ_k A_kp · s_k ≤ T · d_p · m_p               ∀ p               (memory; no sequence on an unused group)
+         Σ_k A_kp ≥ m_p                               ∀ p               (a used group holds a sequence)
+         Σ_p d_p · m_p ≤ n                                               (devices)
+         Σ_p A_kp = 1                                 ∀ sequences k
+    t(s, d) = (1/d)·(α1·s² + α2·s)  +  (1/(d·v_d))·α3·s
+
+over *virtual* groups ``p`` (every allowed size ``d``, as many copies as fit
+the pool) with ``m_p`` whether group ``p`` is used, is solved by
+``scipy.optimize.milp`` (HiGHS) under a time limit; the groups used then run
+side by side, each on its sequences packed together. Inside a group the
+sequences are scattered Ulysses style (``ulysses``: head split, all-to-all)
+when the group has at most as many devices as the model has KV heads (and
+they divide them), else — Ulysses cannot split a KV head — by the
+``fallback`` strategy (``zigzag``, ring style; the communication issue
+widens ulysses to larger groups later).
+
+Choices the paper and the survey leave open (or that differ), made here:
+
+* Costs come from attnplan's model, not a profile fit: ``(α1·s² + α2·s)``
+  is the document's step compute at the effective peak — exact attention
+  pairs, linear and output layer, forward, backward, recompute
+  (:func:`simulate.doc_seconds`); ``α3·s`` is the bytes a device sends per
+  layer: Ulysses' all-to-all moves Q, K, V in and O out, ``(d − 1)/d`` of
+  them off the device, once forward, once backward and once more for the
+  recomputed forward; a ``fallback`` ring group instead passes K and V of
+  the whole sequence, ``s·(d − 1)/d`` tokens, forward, twice backward (K, V
+  and their gradients) and again under recompute — not divided by ``d``, and
+  counted as if not overlapped. ``v_d`` is the profile's intra-node
+  bandwidth for a group inside one node, its inter-node bandwidth otherwise.
+  The kernels' launch overhead (:func:`launch_seconds`, the cost model's
+  ``launch_s`` per token-block pair) is added: Ulysses runs every block pair
+  on every device of its group, which the s² term alone misses.
+* ``T`` (tokens per device) is ``max_tokens`` or the memory model's bound
+  (:func:`common.tokens_per_device`); a group of ``d`` devices holds its
+  sequences' tokens evenly (Ulysses and zigzag split them evenly).
+* Group sizes: the powers of two that stay node-aligned, as ``dyncp``
+  (:func:`dyncp.group_sizes`), size 1 included (FlexSP's code skips it);
+  at most ``⌊n/d⌋`` copies of size ``d`` and no more than the micro-batch
+  has sequences that size can hold. Groups are laid out largest first on
+  consecutive ranks (:func:`dyncp.layout`): a group of at most a node's
+  devices never crosses one. The device constraint is ``≤ n`` (the paper:
+  ``= n``), so a micro-batch with few sequences may leave devices idle.
+* Symmetry: copies of one size are interchangeable, so the MILP orders them
+  (used ones first, then by time), which only removes equal solutions.
+* Sequence bucketing (FlexSP §5, to keep the MILP small): the micro-batch's
+  sequences, longest first, are cut into at most ``buckets`` runs that
+  minimise the summed over-estimate ``Σ (t_max − t_i)`` (dynamic
+  programming); a bucket is priced by its longest sequence (time and
+  memory, so the MILP's answer is safe), the MILP chooses how many of each
+  bucket every group takes, and the bucket's sequences, longest first, then
+  go to the group of least exact time among those with quota left.
+  ``buckets=0`` gives every sequence its own variable, as long as the
+  MILP keeps at most ``MAX_VARIABLES`` assignment variables (fewer
+  buckets beyond).
+* Micro-batches (FlexSP's "sort_consec" chunking): the documents sorted
+  longest first are cut into the fewest consecutive runs whose largest
+  token count the pool can hold (:func:`fixed.smallest_context`); if a run
+  has no feasible assignment the step takes one more micro-batch. The
+  micro-batches run heaviest last (the overlapped gradient reduction then
+  hides behind the longest backward).
+* The MILP's answer is compared with the homogeneous assignments (every
+  group of one size ``d``, sequences LPT by exact time, memory checked) and
+  the fastest by exact cost is kept; a MILP stopped by its time limit may
+  be worse than one of them. ``info`` reports, per step, the MILP's largest
+  relative gap (``mip_gap``: HiGHS's incumbent against its dual bound, in the
+  bucketed costs), how the solver stopped (``optimal``: proven within
+  ``gap``; ``time_limit``; ``heuristic`` when a homogeneous assignment won)
+  and the groups used. HiGHS is deterministic, so a plan is a pure function
+  of the problem whenever the solver stops on ``gap`` rather than on the
+  time limit, which ``solver_stop`` says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import StepError
+from ...ir.limits import MAX_MICRO_BATCHES
+from ..base import StepPass, check_int
+from ..ir import StepPlan, StepProblem, build_plan
+from ..lower import check_option, choose_strategy
+from ..model import ACT_BYTES
+from ..simulate import doc_seconds
+from .common import greedy_fill, tokens_per_device
+from .dyncp import group_sizes, layout, need_size, refuse_unfit
+from .fixed import next_fit, smallest_context
+
+MAX_VARIABLES = 4096    # bucket × virtual-group variables of one MILP: fewer buckets beyond
+FORMULATIONS = ("pooled", "groups")
+INNER = ("ulysses", "adaptive")
+DP_ITEMS = 2048         # items the bucketing's dynamic programme takes (more are merged first)
+POLISH_ROUNDS = 200     # moves of the local search that polishes every candidate assignment
+DP_BLOCK = 256          # rows of the bucketing's cost matrix built at once
+
+
+def uses_ulysses(problem: StepProblem, d: int) -> bool:
+    """Whether a group of ``d`` devices can scatter heads Ulysses style (``d`` divides the KV heads)."""
+    return problem.model.kv_heads % d == 0
+
+
+def comm_seconds(problem: StepProblem, s: np.ndarray, d: int, fallback: str) -> np.ndarray:
+    """The survey's ``α3·s / (d·v)`` for documents of lengths ``s`` on a group of ``d`` devices: per device,
+    the seconds its sends take over the whole step (see the module doc)."""
+    if d <= 1:
+        return np.zeros(len(s))
+    m, mesh, prof = problem.model, problem.mesh, problem.profile
+    v = prof.intra_bw if d <= mesh.devices_per_node else prof.inter_bw
+    rec = 1.0 if mesh.recompute == "full" else 0.0
+    s = np.asarray(s, float)
+    if uses_ulysses(problem, d):
+        per_token = ACT_BYTES * (2 * m.heads + 2 * m.kv_heads) * m.head_dim     # Q, K, V in; O out
+        volume = s / d * (d - 1) / d * per_token * (2.0 + rec)
+    else:
+        per_token = ACT_BYTES * 2 * m.kv_heads * m.head_dim                     # K and V around the ring
+        volume = s * (d - 1) / d * per_token * (3.0 + rec)
+    return m.layers * volume / v
+
+
+def launch_seconds(problem: StepProblem, d: int) -> np.ndarray:
+    """Per device, the attention kernels' launch overhead of every document on a group of ``d`` over the
+    step: one launch (the profile's ``launch_s``) per token-block pair, per phase (forward, backward,
+    recomputed forward) and layer. Ulysses runs every block pair of the document on every device (for its
+    heads), cut again at the ``d − 1`` boundaries of the even token split; a ring (``zigzag``) group
+    spreads the pairs of the ``2·d`` chunks over its devices. Masks sparser than causal have
+    proportionally fewer pairs."""
+    s = problem.seqlens.astype(float)
+    nb = np.ceil(s / problem.block_size)
+    causal = s * (s + 1) / 2
+    ulysses = uses_ulysses(problem, d)
+    if d > 1:
+        nb = nb + (d - 1 if ulysses else 2 * d - 1)
+    pairs = nb * (nb + 1) / 2 * np.minimum(1.0, problem.pairs / causal)
+    per_device = pairs if ulysses else pairs / d
+    rec = 1.0 if problem.mesh.recompute == "full" else 0.0
+    return problem.model.layers * (2.0 + rec) * problem.profile.launch_s * per_device
+
+
+def bucket_runs(w: np.ndarray, buckets: int) -> np.ndarray:
+    """Start index of every bucket of ``w`` (sorted descending) cut into at most ``buckets`` consecutive
+    runs minimising the over-estimate ``Σ_runs Σ_i (w[first] − w[i])``: dynamic programming over
+    ``buckets`` × runs, O(buckets · m²) for ``m = min(n, DP_ITEMS)`` items (beyond that, consecutive
+    items are first merged ``DP_ITEMS`` ways, each merged item priced by its first)."""
+    n = len(w)
+    if buckets <= 0 or n <= buckets:
+        return np.arange(n, dtype=np.int64)
+    w = np.asarray(w, float)
+    first = np.unique(np.linspace(0, n, min(n, DP_ITEMS), endpoint=False).astype(np.int64))  # merged items
+    m = len(first)
+    cnt = np.diff(np.concatenate([first, [n]])).astype(float)
+    wf = w[first]                                                   # each merged item's price (its largest)
+    C = np.concatenate([[0.0], np.cumsum(cnt)])                     # items before merged item i
+    Q = np.concatenate([[0.0], np.cumsum(w)])[np.concatenate([first, [n]])]   # their summed w
+    # cost of merged run [j, i) = wf[j]·(C[i] − C[j]) − (Q[i] − Q[j]); the j part:
+    base = Q[:-1] - wf * C[:-1]
+    best = np.full(m + 1, np.inf)
+    best[0] = 0.0
+    back = np.zeros((buckets + 1, m + 1), np.int64)
+    for b in range(1, buckets + 1):
+        new = np.full(m + 1, np.inf)
+        for lo in range(1, m + 1, DP_BLOCK):
+            i = np.arange(lo, min(m + 1, lo + DP_BLOCK))
+            cand = best[None, :-1] + base[None, :] + C[i][:, None] * wf[None, :]
+            cand[np.arange(m)[None, :] >= i[:, None]] = np.inf       # runs [j, i) need j < i
+            arg = np.argmin(cand, axis=1)
+            new[i] = cand[np.arange(len(i)), arg] - Q[i]
+            back[b, i] = arg
+        best = new
+    starts = []
+    at, b = m, buckets
+    while at > 0:
+        at = int(back[b, at])
+        starts.append(at)
+        b -= 1
+    return first[np.asarray(starts[::-1], np.int64)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Solved:
+    groups: list                 # [(size, [docs])]
+    makespan: float              # exact cost of the slowest group (seconds)
+    how: str                     # "milp" or "homogeneous d=N"
+    stop: str                    # optimal | time_limit | heuristic
+    gap: float                   # HiGHS's relative gap (nan without a MILP answer)
+
+
+@dataclass(frozen=True, slots=True)
+class FlexSP(StepPass):
+    name = "flexsp"
+    time_limit: float = 2.0   # seconds HiGHS may take for the step (shared by its micro-batches)
+    gap: float = 0.01         # relative MIP gap at which HiGHS stops
+    buckets: int = 16         # length buckets per micro-batch (FlexSP §5); 0 = a variable per sequence
+    micro: int = 0            # micro-batches; 0 = the fewest the pool's memory allows, more while infeasible
+    fallback: str = "zigzag"  # strategy of groups Ulysses cannot split (more devices than KV heads)
+    formulation: str = "pooled"  # pooled (a column per group size) or groups (a column per virtual group, the paper's)
+    inner: str = "ulysses"    # ulysses (FlexSP's, fallback beyond the KV heads) or adaptive (the faster of the two)
+    max_tokens: int = 0       # tokens a device holds; 0 = from the memory model
+
+    def __post_init__(self):
+        if not 0.0 < self.time_limit <= 3600.0:
+            raise StepError(f"flexsp: time_limit must be in (0, 3600] seconds, got {self.time_limit}")
+        if not 0.0 <= self.gap < 1.0:
+            raise StepError(f"flexsp: gap must be in [0, 1), got {self.gap}")
+        check_int("flexsp", "buckets", self.buckets, 0, 1024)
+        check_int("flexsp", "micro", self.micro, 0, MAX_MICRO_BATCHES)
+        check_int("flexsp", "max_tokens", self.max_tokens, 0, 1 << 40)
+        check_option("flexsp", "fallback", self.fallback, adaptive=False)
+        if self.formulation not in FORMULATIONS:
+            raise StepError(f"flexsp: formulation must be one of {', '.join(FORMULATIONS)}, "
+                            f"got {self.formulation!r:.40}")
+        if self.inner not in INNER:
+            raise StepError(f"flexsp: inner must be one of {', '.join(INNER)}, got {self.inner!r:.40}")
+        if self.fallback in ("auto", "ulysses"):
+            raise StepError(f"flexsp: fallback is the strategy of groups ulysses cannot take: zigzag, per_doc, ..., "
+                            f"not {self.fallback}")
+
+    # ------------------------------------------------------------------------------------ the step
+    def apply(self, problem: StepProblem) -> StepPlan:
+        mesh, lens = problem.mesh, problem.seqlens
+        n = mesh.stage_devices
+        cap = self.max_tokens or tokens_per_device(problem)
+        sizes = group_sizes(mesh)
+        need = need_size(lens, cap, sizes)
+        refuse_unfit(problem, need, cap, "flexsp")
+        work = doc_seconds(problem)
+        times = {d: work / d + comm_seconds(problem, lens, d, self.fallback) + launch_seconds(problem, d)
+                 for d in sizes}
+        order = np.lexsort((np.arange(problem.docs), -lens))
+        micro = self.micro or max(1, -(-problem.tokens // (cap * n)))
+        while True:
+            runs = self._chunks(lens[order], micro, cap * n)
+            solved: list[_Solved] | None = None
+            if runs is not None:
+                budget = self.time_limit / len(runs)
+                solved = []
+                for docs in (order[a:b] for a, b in zip(runs[:-1], runs[1:])):
+                    got = self._solve(problem, docs, need, times, cap, sizes, budget)
+                    if got is None:
+                        solved = None
+                        break
+                    solved.append(got)
+            if solved is not None:
+                return self._plan(problem, solved, cap)
+            if self.micro or micro >= min(problem.docs, MAX_MICRO_BATCHES):
+                raise StepError(f"flexsp: no assignment of the batch to {micro} micro-batch(es) of {n} devices fits "
+                                f"{cap:,} tokens a device; give more micro-batches (flexsp{{micro=N}})")
+            micro += 1
+
+    @staticmethod
+    def _chunks(sorted_lens: np.ndarray, micro: int, pool: int) -> np.ndarray | None:
+        """Bounds of the fewest-token consecutive cut of the sorted documents into ``micro`` runs, or None
+        when its largest run is more than the pool holds."""
+        micro = min(micro, len(sorted_lens))
+        ctx = smallest_context(sorted_lens, micro)
+        if ctx > pool:
+            return None
+        starts = next_fit(sorted_lens, ctx, micro)
+        if starts is None:  # cannot happen: smallest_context guarantees it
+            return None
+        return np.concatenate([starts, [len(sorted_lens)]]).astype(np.int64)
+
+    # ------------------------------------------------------------------------------------ one micro-batch
+    def _solve(self, problem: StepProblem, docs: np.ndarray, need: np.ndarray, times: dict, cap: int,
+               sizes: list[int], budget: float) -> _Solved | None:
+        n = problem.mesh.stage_devices
+        lens = problem.seqlens
+        best = None
+        for d in sizes:  # homogeneous assignments: every group of size d, LPT by exact time
+            if d < need[docs].max():
+                continue
+            got = _homogeneous(docs, lens, times[d], d, n // d, cap)
+            if got is not None:
+                got = _polished(got, times, need, lens, cap)
+                if best is None or got.makespan < best.makespan:
+                    best = got
+        milp = self._milp(problem, docs, need, times, cap, sizes, budget)
+        if milp is not None:
+            milp = _polished(milp, times, need, lens, cap)
+            if best is None or milp.makespan <= best.makespan:
+                return milp
+        if best is None:
+            return None
+        gap = milp.gap if milp is not None else float("nan")
+        return _Solved(best.groups, best.makespan, best.how, "heuristic", gap)
+
+    def _milp(self, problem: StepProblem, docs: np.ndarray, need: np.ndarray, times: dict, cap: int,
+              sizes: list[int], budget: float) -> _Solved | None:
+        """The micro-batch's MILP (``formulation``), solved by HiGHS, turned into groups of documents; None
+        when HiGHS has no feasible answer in time or the answer does not fit memory document by document."""
+        n = problem.mesh.stage_devices
+        ref = times[sizes[0]]                              # any size orders documents the same way
+        docs = docs[np.lexsort((docs, -ref[docs]))]
+        allowed = [d for d in sizes if (need[docs] <= d).any()]
+        if self.formulation == "groups":   # virtual groups: ⌊n/d⌋ copies, no more than documents it can hold
+            cols = [d for d in allowed for _ in range(min(n // d, int((need[docs] <= d).sum())))]
+        else:
+            cols = allowed
+        starts = bucket_runs(ref[docs], max(1, min(self.buckets or len(docs), MAX_VARIABLES // len(cols))))
+        bk = _Buckets(docs, starts, problem.seqlens, need, times, cols)
+        if self.formulation == "groups":
+            lp, decode = _groups_milp(bk, n, cap)
+        else:
+            lp, decode = _pooled_milp(bk, n, cap)
+        from scipy.optimize import milp
+
+        res = milp(lp.c, integrality=lp.integrality, bounds=lp.bounds(), constraints=lp.constraints(),
+                   options={"time_limit": max(budget, 1e-3), "mip_rel_gap": self.gap, "presolve": True})
+        if res.x is None:
+            return None
+        groups = decode(np.rint(res.x).astype(np.int64), cap)
+        if groups is None:
+            return None
+        makespan = max(float(times[d][m].sum()) for d, m in groups)
+        gap = float(res.mip_gap) if getattr(res, "mip_gap", None) is not None else float("nan")
+        return _Solved([(d, m.tolist()) for d, m in groups], makespan, f"milp {self.formulation}",
+                       "optimal" if res.status == 0 else "time_limit", gap)
+
+    # ------------------------------------------------------------------------------------ the plan
+    def _plan(self, problem: StepProblem, solved: list[_Solved], cap: int) -> StepPlan:
+        kv = problem.model.kv_heads
+        mb_docs, mb_ranks, mb_slot, inner = [], [], [], []
+        for slot, sol in enumerate(solved[::-1]):          # heaviest micro-batch (the first cut) last
+            for (d, docs), ranks in zip(sol.groups, layout([d for d, _ in sol.groups])):
+                mb_docs.append(np.sort(np.asarray(docs, np.int64)))
+                mb_ranks.append(ranks)
+                mb_slot.append(slot)
+                if kv % d:
+                    inner.append(self.fallback)
+                elif self.inner == "adaptive":
+                    inner.append(choose_strategy(problem, tuple(problem.seqlens[mb_docs[-1]].tolist()), ranks,
+                                                 "adaptive", ("ulysses", self.fallback)))
+                else:
+                    inner.append("ulysses")
+        gaps = [s.gap for s in solved if s.gap == s.gap]
+        stops = {s.stop for s in solved}
+        stop = "time_limit" if "time_limit" in stops else ("heuristic" if "heuristic" in stops else "optimal")
+        shapes = ";".join("+".join(f"{c}x{d}" for d, c in _counts([d for d, _ in s.groups])) for s in solved[::-1])
+        return build_plan(problem, self.spec(), mb_docs, mb_ranks, mb_slot, inner,
+                          info=[("max_tokens", int(cap)), ("micro_batches", len(solved)),
+                                ("mip_gap", max(gaps) if gaps else -1.0), ("solver_stop", stop),
+                                ("chosen", ";".join(s.how for s in solved[::-1])), ("groups", shapes),
+                                ("estimated_s", float(sum(s.makespan for s in solved)))])
+
+
+def _polished(sol: _Solved, times: dict, need: np.ndarray, lens: np.ndarray, cap: int) -> _Solved:
+    groups = polish(sol.groups, times, need, lens, cap)
+    makespan = max(float(times[d][np.asarray(m, np.int64)].sum()) for d, m in groups)
+    return _Solved(groups, makespan, sol.how, sol.stop, sol.gap)
+
+
+def _counts(sizes: list[int]) -> list[tuple[int, int]]:
+    """(size, count) pairs, largest size first."""
+    u, c = np.unique(np.asarray(sizes, np.int64), return_counts=True)
+    return [(int(a), int(b)) for a, b in zip(u[::-1], c[::-1])]
+
+
+def _homogeneous(docs: np.ndarray, lens: np.ndarray, t: np.ndarray, d: int, groups: int, cap: int) -> _Solved | None:
+    """Every group of ``d`` devices: documents longest first into the group of least time whose tokens
+    still fit (:func:`common.greedy_fill`); None if one fits nowhere."""
+    if groups < 1:
+        return None
+    order = np.argsort(-lens[docs], kind="stable")
+    where = greedy_fill(order, lens[docs], t[docs], groups, cap * d)
+    if (where < 0).any():
+        return None
+    members = [docs[where == g].tolist() for g in range(groups)]
+    load = np.bincount(where, weights=t[docs], minlength=groups)
+    return _Solved([(d, m) for m in members if m], float(load.max()), f"homogeneous d={d}", "heuristic",
+                   float("nan"))
+
+
+# ---------------------------------------------------------------------------------------- MILP building
+
+class _LP:
+    """A MILP ``min c·x`` under bounds and rows ``lo ≤ A·x ≤ hi``, built a row at a time."""
+
+    def __init__(self, nv: int):
+        self.c = np.zeros(nv)
+        self.lb = np.zeros(nv)
+        self.ub = np.zeros(nv)
+        self.integrality = np.ones(nv)
+        self.rows: list[np.ndarray] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def row(self, lo: float, hi: float) -> np.ndarray:
+        r = np.zeros(len(self.c))
+        self.rows.append(r)
+        self.lo.append(lo)
+        self.hi.append(hi)
+        return r
+
+    def bounds(self):
+        from scipy.optimize import Bounds
+        return Bounds(self.lb, self.ub)
+
+    def constraints(self):
+        from scipy.optimize import LinearConstraint
+        return LinearConstraint(np.array(self.rows), np.array(self.lo), np.array(self.hi))
+
+
+class _Buckets:
+    """A micro-batch's documents (longest first) in buckets, priced by each bucket's longest document on
+    every column's group size: ``t[k, j]`` seconds, ``head_len[k]`` tokens, ``count[k]`` documents,
+    ``fits[k, j]`` whether bucket ``k``'s documents may go to column ``j``."""
+
+    def __init__(self, docs: np.ndarray, starts: np.ndarray, lens: np.ndarray, need: np.ndarray, times: dict,
+                 cols: list[int]):
+        self.docs, self.cols, self.times, self.lens = docs, cols, times, lens
+        self.bounds = np.concatenate([starts, [len(docs)]]).astype(np.int64)
+        self.head = docs[starts]
+        self.count = np.diff(self.bounds).astype(float)
+        self.head_len = lens[self.head].astype(float)
+        self.t = np.array([[float(times[d][h]) for d in cols] for h in self.head])
+        self.fits = np.array([[need[h] <= d for d in cols] for h in self.head])
+
+    @property
+    def K(self) -> int:
+        return len(self.head)
+
+    def members(self, k: int) -> np.ndarray:
+        return self.docs[self.bounds[k]:self.bounds[k + 1]]
+
+
+def _groups_milp(bk: _Buckets, n: int, cap: int):
+    """The paper's formulation: a column per virtual group (``A[k, p]`` documents of bucket ``k`` on group
+    ``p``, ``m[p]`` group used), min C; copies of one size ordered (used first, then by time)."""
+    K, P, vs, t = bk.K, len(bk.cols), bk.cols, bk.t
+    lp = _LP(K * P + P + 1)
+    A = np.arange(K * P).reshape(K, P)
+    m = K * P + np.arange(P)
+    C = K * P + P
+    lp.c[C] = 1.0
+    lp.ub[A] = np.where(bk.fits, bk.count[:, None], 0.0)
+    lp.ub[m] = 1.0
+    lp.ub[C] = np.inf
+    lp.integrality[C] = 0
+    for k in range(K):                                     # every document in one group
+        lp.row(bk.count[k], bk.count[k])[A[k]] = 1.0
+    for p in range(P):
+        r = lp.row(-np.inf, 0.0)                           # time
+        r[A[:, p]] = t[:, p]
+        r[C] = -1.0
+        r = lp.row(-np.inf, 0.0)                           # memory, and nothing on an unused group
+        r[A[:, p]] = bk.head_len
+        r[m[p]] = -float(cap * vs[p])
+        r = lp.row(0.0, np.inf)                            # a used group holds a document
+        r[A[:, p]] = 1.0
+        r[m[p]] = -1.0
+        if p + 1 < P and vs[p + 1] == vs[p]:               # symmetry: copies used first, then by time
+            r = lp.row(0.0, np.inf)
+            r[m[p]], r[m[p + 1]] = 1.0, -1.0
+            r = lp.row(0.0, np.inf)
+            r[A[:, p]] = t[:, p]
+            r[A[:, p + 1]] = -t[:, p + 1]
+    lp.row(0.0, float(n))[m] = vs                          # devices
+    r = lp.row(-np.inf, 0.0)                               # Σ_p d_p·time_p ≤ n·C (valid: a used group's time
+    r[A] = t * np.asarray(vs, float)[None, :]              # is at most C, an unused one's 0)
+    r[C] = -float(n)
+    lp.lb[C] = max(float(t[k, bk.fits[k]].min()) for k in range(K))
+
+    def decode(x: np.ndarray, cap: int):
+        used = [p for p in range(P) if x[m[p]] == 1]
+        got: dict[int, list[int]] = {p: [] for p in used}
+        load = dict.fromkeys(used, 0.0)
+        held = dict.fromkeys(used, 0)
+        for k in range(K):   # the bucket's documents, longest first, to the group of least exact time with quota
+            quota = {p: int(x[A[k, p]]) for p in used if x[A[k, p]] > 0}
+            for d in bk.members(k).tolist():
+                open_ = [p for p in quota if quota[p] > 0]
+                if not open_:
+                    return None
+                p = min(open_, key=lambda q: (load[q], q))
+                got[p].append(d)
+                load[p] += float(bk.times[vs[p]][d])
+                held[p] += int(bk.lens[d])
+                quota[p] -= 1
+        if any(held[p] > cap * vs[p] for p in used):
+            return None
+        return [(vs[p], np.asarray(got[p], np.int64)) for p in used if got[p]]
+    return lp, decode
+
+
+def _pooled_milp(bk: _Buckets, n: int, cap: int):
+    """Copies of one size pooled (see the module doc): a column per size ``d`` with ``g[d]`` groups,
+    ``A[k, d]`` documents of bucket ``k`` on them, ``u[k, d]`` whether bucket ``k`` uses size ``d``;
+    the pool's time Σ_k A[k,d]·t[k,d] ≤ C·g[d] (C·g[d] linearised over the bits of g[d]), its memory
+    Σ_k A[k,d]·s_k ≤ T·d·g[d], and every document used under C: t[k,d]·u[k,d] ≤ C."""
+    K, D, ds, t = bk.K, len(bk.cols), bk.cols, bk.t
+    bits = [max(1, int(n // d).bit_length()) for d in ds]
+    nb = sum(bits)
+    A = np.arange(K * D).reshape(K, D)
+    u = K * D + np.arange(K * D).reshape(K, D)
+    g = 2 * K * D + np.arange(D)
+    z0 = 2 * K * D + D                                     # bit variables of g, then y = C·z
+    zs = [z0 + sum(bits[:j]) + np.arange(bits[j]) for j in range(D)]
+    ys = [z0 + nb + sum(bits[:j]) + np.arange(bits[j]) for j in range(D)]
+    C = z0 + 2 * nb
+    lp = _LP(C + 1)
+    big = float((bk.count[:, None] * np.where(bk.fits, t, 0.0)).sum())   # no pool's time exceeds every document's
+    lp.c[C] = 1.0
+    lp.ub[A] = np.where(bk.fits, bk.count[:, None], 0.0)
+    lp.ub[u] = np.where(bk.fits, 1.0, 0.0)
+    lp.ub[g] = [n // d for d in ds]
+    for j in range(D):
+        lp.ub[zs[j]] = 1.0
+        lp.ub[ys[j]] = np.inf
+        lp.integrality[ys[j]] = 0
+    lp.ub[C] = np.inf
+    lp.integrality[C] = 0
+    for k in range(K):
+        lp.row(bk.count[k], bk.count[k])[A[k]] = 1.0       # every document in one size
+        for j in range(D):
+            r = lp.row(-np.inf, 0.0)                       # A ≤ count·u
+            r[A[k, j]], r[u[k, j]] = 1.0, -bk.count[k]
+            r = lp.row(-np.inf, 0.0)                       # a used size prices its longest document under C
+            r[u[k, j]], r[C] = t[k, j], -1.0
+    for j, d in enumerate(ds):
+        r = lp.row(0.0, 0.0)                               # g = Σ 2^b z_b
+        r[g[j]] = 1.0
+        r[zs[j]] = -(2.0 ** np.arange(bits[j]))
+        for zb, yb in zip(zs[j].tolist(), ys[j].tolist()):  # y_b ≤ C, y_b ≤ big·z_b
+            r = lp.row(-np.inf, 0.0)
+            r[yb], r[C] = 1.0, -1.0
+            r = lp.row(-np.inf, 0.0)
+            r[yb], r[zb] = 1.0, -big
+        r = lp.row(-np.inf, 0.0)                           # time of the pool ≤ C·g = Σ 2^b y_b
+        r[A[:, j]] = t[:, j]
+        r[ys[j]] = -(2.0 ** np.arange(bits[j]))
+        r = lp.row(-np.inf, 0.0)                           # memory of the pool
+        r[A[:, j]] = bk.head_len
+        r[g[j]] = -float(cap * d)
+        r = lp.row(0.0, np.inf)                            # every group of the pool holds a document
+        r[A[:, j]] = 1.0
+        r[g[j]] = -1.0
+    lp.row(0.0, float(n))[g] = ds                          # devices
+    r = lp.row(-np.inf, 0.0)                               # Σ_d d·time_d ≤ n·C
+    r[A] = t * np.asarray(ds, float)[None, :]
+    r[C] = -float(n)
+    lp.lb[C] = max(float(t[k, bk.fits[k]].min()) for k in range(K))
+
+    def decode(x: np.ndarray, cap: int):
+        take: list[list[int]] = [[] for _ in ds]
+        for k in range(K):  # the bucket's longest documents to the largest size
+            at = 0
+            mem = bk.members(k).tolist()
+            for j in sorted(range(D), key=lambda j: -ds[j]):
+                take[j] += mem[at:at + int(x[A[k, j]])]
+                at += int(x[A[k, j]])
+        out = []
+        for j, d in enumerate(ds):
+            if not take[j]:
+                continue
+            docs = np.asarray(take[j], np.int64)
+            got = _homogeneous(docs, bk.lens, bk.times[d], d, int(x[g[j]]), cap)
+            if got is None:
+                return None
+            out += [(d, np.asarray(mm, np.int64)) for _, mm in got.groups]
+        return out
+    return lp, decode
+
+
+# ---------------------------------------------------------------------------------------- polishing
+
+def polish(groups: list, times: dict, need: np.ndarray, lens: np.ndarray, cap: int, rounds: int = POLISH_ROUNDS
+           ) -> list:
+    """Local search on an assignment ``[(size, docs)]``: while it helps, move one document off the slowest
+    group, or swap one of its documents with one of another group, whichever lowers the larger of the two
+    groups' exact times most (memory and CP size checked); at most ``rounds`` moves."""
+    sizes = [int(d) for d, _ in groups]
+    docs = [np.asarray(m, np.int64) for _, m in groups]
+    t = [times[d][m] for d, m in zip(sizes, docs)]
+    load = np.array([float(x.sum()) for x in t])
+    held = np.array([int(lens[m].sum()) for m in docs])
+    for _ in range(rounds):
+        g = int(np.argmax(load))
+        top = load[g]
+        best: tuple[float, tuple[str, int, int, int] | None] = (float(top), None)
+        tg = t[g]
+        for h in range(len(docs)):
+            if h == g:
+                continue
+            d = sizes[h]
+            th = times[d][docs[g]]                                   # g's documents priced on h
+            ok = (need[docs[g]] <= d) & (held[h] + lens[docs[g]] <= cap * d)
+            after = np.maximum(load[g] - tg, load[h] + th)          # moves g -> h
+            after[~ok] = np.inf
+            i = int(np.argmin(after)) if len(after) else -1
+            if i >= 0 and after[i] < best[0] - 1e-12:
+                best = (float(after[i]), ("move", h, i, -1))
+            if not len(docs[h]):
+                continue
+            ug = times[sizes[g]][docs[h]]                            # h's documents priced on g
+            lg = load[g] - tg[:, None] + ug[None, :]                 # [i in g, j in h]
+            lh = load[h] - t[h][None, :] + th[:, None]
+            mg = held[g] - lens[docs[g]][:, None] + lens[docs[h]][None, :]
+            mh = held[h] - lens[docs[h]][None, :] + lens[docs[g]][:, None]
+            ok2 = ((need[docs[g]] <= d)[:, None] & (need[docs[h]] <= sizes[g])[None, :]
+                   & (mg <= cap * sizes[g]) & (mh <= cap * d))
+            after2 = np.where(ok2, np.maximum(lg, lh), np.inf)
+            a, b = (int(x) for x in np.unravel_index(int(np.argmin(after2)), after2.shape))
+            if after2[a, b] < best[0] - 1e-12:
+                best = (float(after2[a, b]), ("swap", h, a, b))
+        if best[1] is None:
+            break
+        kind, h, i, j = best[1]
+        x = int(docs[g][i])
+        if kind == "move":
+            docs[g] = np.delete(docs[g], i)
+            docs[h] = np.append(docs[h], x)
+        else:
+            y = int(docs[h][j])
+            docs[g] = np.append(np.delete(docs[g], i), y)
+            docs[h] = np.append(np.delete(docs[h], j), x)
+        for q in (g, h):
+            t[q] = times[sizes[q]][docs[q]]
+            load[q] = float(t[q].sum())
+            held[q] = int(lens[docs[q]].sum())
+    return [(d, m.tolist()) for d, m in zip(sizes, docs) if len(m)]
