@@ -382,18 +382,21 @@ def _compile_auto(kwargs: dict) -> Plan:
 
 
 def attention(q, k, v, plan: Plan, group=None, *, softmax_scale: float | None = None, timeout: float | None = None,
-              timings=None):
+              timings=None, match: str | None = None):
     """This rank's attention under ``plan``, for a training step: ``q [T_local,
     Hq, D]``, ``k``/``v [T_local, Hkv, D]`` in the plan's local layout
     (``plan.dispatch``); returns the local output. Autograd-aware: the
     backward issues the plan's backward transfers in the plan's order on every
     rank. Device ``d`` is rank ``d`` of ``group`` (default: the default group).
     ``timeout``: seconds before a stuck transfer raises ``TransportError``
-    naming the peer and transfer."""
+    naming the peer and transfer. ``match``: ``"tag"`` (default) or
+    ``"order"`` — every message with one tag, matched by posting order alone
+    as NCCL matches them (default ``$ATTNPLAN_MATCH``)."""
     from .runtime.dist import attention as _attention
     _check_plan(plan)
     timeout = None if timeout is None else positive_real("timeout", timeout, limits.MAX_TIMEOUT_S)
-    return _attention(q, k, v, plan.ir, group, softmax_scale=softmax_scale, timeout=timeout, timings=timings)
+    return _attention(q, k, v, plan.ir, group, softmax_scale=softmax_scale, timeout=timeout, timings=timings,
+                      match=match)
 
 
 def execute(plan: Plan, q, k, v, softmax_scale: float | None = None):

@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=300.0,
                    help=f"seconds a transfer may take before the run fails naming the peer (multi-process runs; "
                         f"finite, at most {limits.MAX_TIMEOUT_S})")
+    r.add_argument("--match", default=None, choices=["tag", "order"],
+                   help="how messages are matched (multi-process runs): by tag (default, or $ATTNPLAN_MATCH), or "
+                        "by posting order alone with one tag, as NCCL matches them")
 
     sh = sub.add_parser("show", help="text form of a plan's programs")
     sh.add_argument("plan")
@@ -310,7 +313,7 @@ def _cmd_run(args) -> int:
         if args.devices is not None and str(args.devices) != os.environ["WORLD_SIZE"]:
             raise PlanError(f"--devices {args.devices} differs from WORLD_SIZE={os.environ['WORLD_SIZE']}")
         _check_run_size(load(args.plan), args.dtype, args.check, 1)
-        return launch.run_rank(args.plan, args.dtype, args.seed, args.check, args.timeout)
+        return launch.run_rank(args.plan, args.dtype, args.seed, args.check, args.timeout, match=args.match)
     plan = load(args.plan)
     if args.devices is not None and args.devices != plan.devices:
         raise PlanError(f"{args.plan} was compiled for {plan.devices} devices, not {args.devices}")
@@ -320,7 +323,8 @@ def _cmd_run(args) -> int:
                             f"got {args.procs}")
         _check_run_size(plan, args.dtype, args.check, args.procs)
         return launch.launch([str(args.plan), "--dtype", args.dtype, "--seed", str(args.seed), "--timeout",
-                              repr(args.timeout)] + (["--check"] if args.check else []), args.procs)
+                              repr(args.timeout)] + (["--check"] if args.check else [])
+                             + (["--match", args.match] if args.match else []), args.procs)
     _check_run_size(plan, args.dtype, args.check, 1)
     from .runtime.check import check_plan, run_plan  # imports torch (~2 s): after every check
     t0 = time.perf_counter()

@@ -15,7 +15,9 @@ Gloo matches messages by tag; a message's tag is its id offset by a per-call
 *generation*, so messages of two attention calls can never be mixed up even
 if autograd ran their backwards in different orders on different ranks.
 (NCCL ignores tags and matches by posting order per pair of ranks; the
-verifier proves every pair posts its sends and receives in the same order.
+verifier proves every pair posts its sends and receives in the same order,
+and ``match="order"`` runs the programs that way on gloo — every message
+with tag 0 — which tests/test_distributed.py checks for every strategy.
 The kernels are CPU-only for now, so CUDA tensors are refused before any
 transfer.)
 
@@ -66,6 +68,8 @@ from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, pa
 from .transport import TransportError
 
 TIMEOUT_ENV = "ATTNPLAN_TIMEOUT"  # default seconds a transfer may take (300 when unset)
+MATCH_ENV = "ATTNPLAN_MATCH"  # how messages are matched: "tag" (default) or "order"
+MATCH_MODES = ("tag", "order")
 _MAX_TAG = (1 << 31) - 1
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
@@ -133,16 +137,32 @@ def resolve_timeout(timeout) -> float:
     return t
 
 
-class TorchTransport:
-    """``post_send``/``post_recv``/``wait`` over tagged ``isend``/``irecv``."""
+def resolve_match(match) -> str:
+    """How messages are matched: ``match``, else ``$ATTNPLAN_MATCH``, else
+    ``"tag"``. ``"order"`` sends every message with one tag, so gloo matches
+    the messages between two ranks by posting order alone, as NCCL does: the
+    verifier's posting-order invariant is what makes that correct."""
+    src = "match"
+    if match is None:
+        match, src = os.environ.get(MATCH_ENV, "tag"), f"${MATCH_ENV}"
+    if match not in MATCH_MODES:
+        raise PlanError(f"{src} must be one of {', '.join(MATCH_MODES)}, got {str(match)[:40]!r}")
+    return str(match)
 
-    def __init__(self, program, device: int, info: GroupInfo, generation: int, timeout: float):
+
+class TorchTransport:
+    """``post_send``/``post_recv``/``wait`` over ``isend``/``irecv``: tagged by
+    message (``match="tag"``), or all with tag 0 (``match="order"``)."""
+
+    def __init__(self, program, device: int, info: GroupInfo, generation: int, timeout: float,
+                 match: str = "tag"):
         self.program, self.device, self.info, self.timeout = program, device, info, timeout
         self.base = generation * len(program.messages)
+        self.by_order = match == "order"
         self.pending: dict[int, tuple] = {}
 
     def _tag(self, tag: int) -> int:
-        return (self.base + tag) % _MAX_TAG
+        return 0 if self.by_order else (self.base + tag) % _MAX_TAG
 
     def _fail(self, tag: int, peer: int, what: str, e: Exception) -> TransportError:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -313,12 +333,13 @@ class _Call:
     timeout: float
     timings: Timings | None
     compute: bool = True
+    match: str = "tag"
 
     def run(self, phase: int, tensors: dict, dtype) -> None:
         g, prog = self.ir.graph, self.ir.program
         row0 = layout.local_row0(self.ir, self.device)
         tr = _LocalTransport() if self.info is None else \
-            TorchTransport(prog, self.device, self.info, self.generation, self.timeout)
+            TorchTransport(prog, self.device, self.info, self.generation, self.timeout, self.match)
         runner = DeviceRunner(g, prog, phase, self.device, home_bindings(g, prog, phase, self.device, tensors, row0),
                               tr, self.scale, dtype, self.timings, self.compute)
         runner.run()
@@ -373,7 +394,7 @@ def _prepare(plan_ir, q, k, v, group, timeout):
 
 
 def attention(q, k, v, plan_ir, group=None, *, softmax_scale: float | None = None, timeout: float | None = None,
-              timings: Timings | None = None):
+              timings: Timings | None = None, match: str | None = None):
     """Attention of this rank's local tokens under ``plan_ir`` (a compiled
     :class:`~attnplan.ir.module.PlanIR`: ``plan.ir``); autograd-aware.
 
@@ -387,12 +408,15 @@ def attention(q, k, v, plan_ir, group=None, *, softmax_scale: float | None = Non
     before :class:`TransportError` (default ``$ATTNPLAN_TIMEOUT`` or 300).
     ``timings``: a :class:`~attnplan.runtime.runner.Timings` that
     accumulates this rank's kernel, wait and wall seconds, forward and
-    backward. A one-device plan also runs without torch.distributed."""
+    backward. ``match``: ``"tag"`` (default, or ``$ATTNPLAN_MATCH``) or
+    ``"order"`` (one tag: messages matched by posting order, as NCCL does).
+    A one-device plan also runs without torch.distributed."""
     scale = resolve_scale(softmax_scale, _plan_ir(plan_ir).problem.head_dim)
+    match = resolve_match(match)
     ir, info, rank, timeout = _prepare(plan_ir, q, k, v, group, timeout)
     gen = 0 if info is None else _next_generation(ir, info)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return DistAttention.apply(q, k, v, _Call(ir, info, rank, gen, scale, timeout, timings))
+    return DistAttention.apply(q, k, v, _Call(ir, info, rank, gen, scale, timeout, timings, match=match))
 
 
 def replay_comm(plan_ir, q, k, v, group=None, timeout: float | None = None) -> dict:

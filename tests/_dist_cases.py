@@ -29,7 +29,7 @@ def _compile(case, devices, strategy, **over):
     return attnplan.compile(**kw)
 
 
-def equals_in_process(rank, world, cases, strategies):
+def equals_in_process(rank, world, cases, strategies, match="tag"):
     """Every (case index, strategy): the local out/dq/dk/dv and the gathered
     global ones equal the in-process executor's bit for bit. Returns the failures."""
     bad, ran = [], 0
@@ -44,7 +44,7 @@ def equals_in_process(rank, world, cases, strategies):
                 raise
             q, k, v, dout = random_inputs(plan, case["dtype"], ci)
             ql, kl, vl = (plan.dispatch(t).requires_grad_(True) for t in (q, k, v))
-            out = attnplan.attention(ql, kl, vl, plan, timeout=60)
+            out = attnplan.attention(ql, kl, vl, plan, timeout=60, match=match)
             grads = torch.autograd.grad(out, (ql, kl, vl), plan.dispatch(dout))
             full = [plan.undispatch(x.detach()) for x in (out, *grads)]
             if rank == 0:  # the in-process executor, once

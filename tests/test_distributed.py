@@ -94,6 +94,27 @@ def test_every_strategy_equals_in_process(world, cases):
     assert [b for r in res for b in r["bad"]] == []
 
 
+def test_messages_matched_by_posting_order_alone():
+    """``match="order"``: every message with tag 0, so gloo matches the
+    messages between two ranks by posting order only, as NCCL does. Every
+    strategy and the staged, overlapped pipelines (ring forwarding included)
+    still equal the in-process executor bit for bit: the posting-order
+    invariant the verifier proves is what the programs need on NCCL."""
+    res = ok(run_local(f"{CASES}:equals_in_process", 3,
+                       ([0, 2], list(attnplan.strategies()) + PIPELINES, "order"), timeout=240))
+    assert all(r["ran"] >= 2 for r in res)
+    assert [b for r in res for b in r["bad"]] == []
+
+
+def test_match_mode_is_validated():
+    """A bad mode is one typed error (the verifier's posting-order check is
+    tested in tests/test_verify.py)."""
+    from attnplan.runtime.dist import resolve_match
+    assert resolve_match("order") == "order"
+    with pytest.raises(attnplan.PlanError, match="match must be one of tag, order"):
+        resolve_match("fifo")
+
+
 def test_training_step_through_dispatch_and_undispatch():
     """Two chained attention calls, undispatch, a loss on the replicated result:
     loss, outputs and the summed parameter gradient equal one process's."""

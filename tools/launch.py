@@ -52,8 +52,9 @@ def in_rank_mode() -> bool:
 # ---------------------------------------------------------------- rank mode
 
 def run_rank(plan_path: str, dtype: str = "float32", seed: int = 0, check: bool = False,
-             timeout: float = 300.0, out=sys.stdout) -> int:
-    """Rank mode (see the module docstring). Returns the exit code."""
+             timeout: float = 300.0, out=sys.stdout, match: str | None = None) -> int:
+    """Rank mode (see the module docstring). Returns the exit code.
+    ``match``: how messages are matched (``runtime.dist.resolve_match``)."""
     from ..api import load
     from ..runtime.check import DTYPES, check_size
 
@@ -74,12 +75,13 @@ def run_rank(plan_path: str, dtype: str = "float32", seed: int = 0, check: bool 
     torch.set_num_threads(int(os.environ.get("ATTNPLAN_THREADS", "1")))
     init_group(rank, world, timeout)
     try:
-        return _run_joined(plan, rank, world, dtype, seed, check, timeout, out)
+        return _run_joined(plan, rank, world, dtype, seed, check, timeout, out, match)
     finally:
         dist.destroy_process_group()
 
 
-def _run_joined(plan, rank: int, world: int, dtype: str, seed: int, check: bool, timeout: float, out) -> int:
+def _run_joined(plan, rank: int, world: int, dtype: str, seed: int, check: bool, timeout: float, out,
+                match: str | None = None) -> int:
     import torch
     import torch.distributed as dist
 
@@ -93,7 +95,7 @@ def _run_joined(plan, rank: int, world: int, dtype: str, seed: int, check: bool,
     import torch.fx.experimental.symbolic_shapes  # noqa: F401  (autograd.grad imports it lazily: ~1 s once)
     tm = Timings()
     t0 = time.perf_counter()
-    ol = rt.attention(ql, kl, vl, plan.ir, timeout=timeout, timings=tm)
+    ol = rt.attention(ql, kl, vl, plan.ir, timeout=timeout, timings=tm, match=match)
     grads = torch.autograd.grad(ol, (ql, kl, vl), plan.dispatch(dout, rank))
     wall = time.perf_counter() - t0
     got = [plan.undispatch(x.detach(), timeout=timeout) for x in (ol, *grads)]
