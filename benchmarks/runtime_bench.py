@@ -212,19 +212,22 @@ def bench(args) -> dict:
             per = {r: res[r][1][s] for r in range(2)}
             m = summarize(per, args.repeats)
             st = p.stats("cpu-local")
-            m.update(compute_imbalance=st["compute_imbalance"], predicted_cpu_local_s=st["predicted_s"],
+            # messages per step (fwd + bwd, all devices); a runtime before coalescing (attnplan <= 3718725)
+            # sent one message per transfer and its stats() had no "messages"
+            m.update(messages=int(st.get("messages", len(p.ir.program.transfers))),
+                     compute_imbalance=st["compute_imbalance"], predicted_cpu_local_s=st["predicted_s"],
                      vs_dense_1t=d1 / m["step_s"], vs_dense_2t=d2 / m["step_s"])
             rows[s] = m
         report["masks"][mask] = {"dense_1t_s": d1, "dense_2t_s": d2, "strategies": rows, "skipped": skipped,
                                  "bench_wall_s": time.perf_counter() - t0}
         print(f"\nmask {mask}: dense 1 thread {d1:.3f} s, dense 2 threads {d2:.3f} s")
         print(f"{'strategy':<11} {'step s':>7} {'vs 1t':>6} {'vs 2t':>6} {'imb':>5} {'kernel':>7} {'wait':>6} "
-              f"{'post':>6} {'comm':>6} {'hidden':>7} {'overhd':>7} {'MB':>6}")
+              f"{'post':>6} {'comm':>6} {'hidden':>7} {'overhd':>7} {'MB':>6} {'msgs':>6}")
         for s, m in rows.items():
             print(f"{s:<11} {m['step_s']:7.3f} {m['vs_dense_1t']:6.2f} {m['vs_dense_2t']:6.2f} "
                   f"{m['compute_imbalance']:5.2f} {m['kernel_s']:7.3f} {m['wait_s']:6.3f} {m['post_s']:6.3f} "
                   f"{m['comm_alone_s']:6.3f} {m['hidden'] * 100:6.1f}% {m['overhead'] * 100:6.1f}% "
-                  f"{m['bytes'] / 1e6:6.1f}")
+                  f"{m['bytes'] / 1e6:6.1f} {m['messages']:6d}")
         for s, e in skipped.items():
             print(f"{s:<11} skipped: {e}")
     return report

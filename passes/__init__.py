@@ -52,11 +52,12 @@ from .per_doc import PerDoc
 from .tile import Tile
 from .tile_pool import TilePool
 from .ulysses import Ulysses
+from .usp import Usp
 from .zigzag import Zigzag
 
 BUILTIN: dict[str, type[Pass]] = {cls.name: cls for cls in (
     Tile,                                               # token blocks per sample, the block graph
-    Zigzag, PerDoc, Ulysses, MinHeap, HypergraphPlacement, TilePool, Dacp,   # placement strategies
+    Zigzag, PerDoc, Ulysses, Usp, MinHeap, HypergraphPlacement, TilePool, Dacp,   # placement strategies
     Comm, Overlap, Divide,                              # transfers, their overlap, stages
     Emit,                                               # lowering to per-device programs
 )}

@@ -1,4 +1,4 @@
-"""comm{mode=p2p|ring}: derive the transfers a placement needs.
+"""comm{mode=p2p|ring|allgather}: derive the transfers a placement needs.
 
 * ``p2p`` (zero-redundant, MagiAttention/DCP style): each Q and KV block goes
   from its home straight to every other device that computes with it, once;
@@ -8,6 +8,13 @@
   one hop a stage, so every device receives every other device's KV whether
   it needs it or not; a compute block runs in the stage its KV arrives
   (``(device - home) mod N``). Q (if it must move) goes p2p in stage 0.
+* ``allgather`` (all-gather CP as Llama 3 (Dubey et al. 2024, §3.3.2) and
+  TransformerEngine's ``all_gather`` mode deploy it): every device receives
+  every KV block from its home, needed or not, in one stage before any
+  compute; the backward's dKV partials go home as before (the reduce-scatter
+  of an all-gather, restricted to the blocks that were used). One message
+  per peer after coalescing: the direct all-gather; NCCL's ring all-gather
+  moves the same bytes per device.
 
 Either way each partial O goes from a computing device to the Q block's home
 once, after its last write.
@@ -30,6 +37,21 @@ from .base import Pass, register
 def _rows(kind, r, stage) -> np.ndarray:
     """Schedule rows (kind, tb, hg, src, dst, stage) from needed rows (tb, hg, src, dst)."""
     return np.column_stack([np.full(len(r), kind), r, np.broadcast_to(stage, (len(r),))]).astype(np.int64)
+
+
+def allgather_kv(g, pl) -> np.ndarray:
+    """All-gather traffic: schedule rows of every KV block from its home to
+    every other device, stage 0, ordered by source then destination."""
+    n = pl.devices
+    tb = np.repeat(np.arange(g.n_tb), g.n_hg)
+    hg = np.tile(np.arange(g.n_hg), g.n_tb)
+    src = pl.home[tb]
+    off = np.arange(1, n)
+    dst = (src[:, None] + off[None, :]) % n
+    rows = np.column_stack([np.full(dst.size, X_KV), np.repeat(tb, n - 1), np.repeat(hg, n - 1),
+                            np.repeat(src, n - 1), dst.ravel(), np.zeros(dst.size, np.int64)])
+    order = np.lexsort((rows[:, 4], rows[:, 3]))
+    return rows[order].astype(np.int64).reshape(-1, 6)
 
 
 def ring_kv(g, pl) -> tuple[np.ndarray, np.ndarray]:
@@ -60,8 +82,8 @@ class Comm(Pass):
     mode: str = "p2p"
 
     def __post_init__(self):
-        if self.mode not in ("p2p", "ring"):
-            raise PlanError(f"comm: mode must be p2p or ring, got {self.mode!r}")
+        if self.mode not in ("p2p", "ring", "allgather"):
+            raise PlanError(f"comm: mode must be p2p, ring or allgather, got {self.mode!r}")
 
     def apply(self, ir: PlanIR) -> PlanIR:
         g, pl = ir.need_graph(), ir.need_placement()
@@ -69,6 +91,10 @@ class Comm(Pass):
         if self.mode == "p2p" or pl.devices == 1:
             stages = 1
             kv = _rows(X_KV, need[X_KV], 0)
+            cb_stage = np.zeros(g.n_cb, np.int64)
+        elif self.mode == "allgather":
+            stages = 1
+            kv = allgather_kv(g, pl)
             cb_stage = np.zeros(g.n_cb, np.int64)
         else:
             stages = pl.devices

@@ -80,8 +80,8 @@ def schedules(draw):
     """Scheduling passes after the placement: None = the strategy's default."""
     if draw(st.integers(0, 2)) == 0:
         return None
-    comm = draw(st.sampled_from(["comm{mode=p2p}", "comm{mode=ring}"]))
-    divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if comm.endswith("p2p}") and draw(st.booleans()) else ""
+    comm = draw(st.sampled_from(["comm{mode=p2p}", "comm{mode=ring}", "comm{mode=allgather}"]))
+    divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if not comm.endswith("ring}") and draw(st.booleans()) else ""
     overlap = ",overlap" if draw(st.booleans()) else ""
     return comm + divide + overlap
 

@@ -1,0 +1,97 @@
+"""The ``usp`` strategy (Ulysses inside a group × zigzag ring across groups)
+and ``comm{mode=allgather}``: their layouts and traffic, checked against
+their definitions; execution equal to dense attention is in test_execute.py
+(every strategy and comm mode)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnplan
+from attnplan.ir.schedule import X_KV, XDST, XHG, XK, XSRC, XTB
+from attnplan.passes.usp import default_degree, usp_segments
+
+SHAPE = dict(heads=8, kv_heads=4, head_dim=8)
+
+
+def _compile(lens, devices, nodes=1, **kw):
+    return attnplan.compile(seqlens=lens, devices=devices, nodes=nodes, block_size=16, **SHAPE, **kw)
+
+
+@given(st.integers(1, 5000), st.integers(1, 8), st.sampled_from([1, 2, 4]))
+def test_segments_split_each_zigzag_chunk_over_its_group(tokens, ranks, degree):
+    starts, devices = usp_segments(tokens, ranks, degree)
+    n = ranks * degree
+    assert len(starts) == 2 * n and starts[0] == 0 and np.all(np.diff(starts) >= 0)
+    sizes = np.diff(np.append(starts, tokens))
+    held = np.bincount(devices, weights=sizes, minlength=n)
+    assert held.sum() == tokens and held.max() - held.min() <= 4  # T / N each, up to rounding
+    # the group of rank r (devices r*U .. r*U+U-1) holds exactly zigzag's chunks r and 2R-1-r
+    zz = attnplan.passes.zigzag.chunk_bounds(tokens, 2 * ranks)
+    for r in range(ranks):
+        mine = np.isin(devices, np.arange(r * degree, (r + 1) * degree))
+        want = (zz[r + 1] - zz[r]) + (zz[2 * ranks - r] - zz[2 * ranks - 1 - r])
+        assert sizes[mine].sum() == want
+
+
+@pytest.mark.parametrize("devices,nodes,kv,want", [(8, 1, 4, 4), (16, 2, 8, 8), (32, 4, 8, 8), (12, 3, 8, 4),
+                                                   (6, 1, 4, 2), (5, 1, 4, 1)])
+def test_default_degree_is_the_largest_group_inside_a_node(devices, nodes, kv, want):
+    assert default_degree(devices, devices // nodes, kv) == want
+
+
+def test_compute_runs_on_the_head_group_device_of_q_s_rank():
+    lens = [700, 300, 120, 90, 33]
+    plan = _compile(lens, 8, nodes=2, strategy="usp")
+    g, pl = plan.ir.graph, plan.ir.placement
+    u = 4
+    assert g.n_hg == u
+    assert np.array_equal(pl.cb_device, (pl.home[g.cb_q] // u) * u + g.cb_hg)
+    tokens = np.bincount(pl.home, weights=g.tb_len, minlength=8)
+    assert tokens.max() - tokens.min() <= 4 * 2
+
+
+def test_degree_one_is_zigzag_and_degree_n_is_ulysses_compute():
+    lens = [500, 260, 77, 20]
+    zz = _compile(lens, 4, pipeline="tile{block=16},zigzag,comm{mode=p2p},emit")
+    u1 = _compile(lens, 4, pipeline="tile{block=16},usp{ulysses=1},comm{mode=p2p},emit")
+    assert np.array_equal(zz.ir.placement.home, u1.ir.placement.home)
+    assert np.array_equal(zz.ir.placement.cb_device, u1.ir.placement.cb_device)
+    assert zz.stats()["pairs"] == u1.stats()["pairs"]
+    un = _compile(lens, 4, pipeline="tile{block=16},usp{ulysses=4},comm,emit")
+    per = un.stats()["per_device"]["pairs"]
+    assert max(per) == min(per)  # every device one head group of every query: exact balance, as Ulysses
+
+
+def test_bad_degree_is_one_clear_error():
+    with pytest.raises(attnplan.PlanError, match="usp: ulysses=3 is not supported"):
+        _compile([100], 4, pipeline="tile{block=16},usp{ulysses=3},comm,emit")
+
+
+def test_usp_sends_less_than_the_ring_across_groups():
+    lens = [4000, 2000, 900, 300, 100]
+    ring = _compile(lens, 16, nodes=2, strategy="zigzag").stats()
+    usp = _compile(lens, 16, nodes=2, strategy="usp").stats()
+    assert usp["comm_bytes_total"] < ring["comm_bytes_total"]
+
+
+def test_allgather_sends_every_kv_block_to_every_other_device_once():
+    lens = [300, 200, 77, 20]
+    for strategy in ("zigzag", "minheap", "usp"):
+        plan = _compile(lens, 4, pipeline=f"tile{{block=16}},{strategy},comm{{mode=allgather}},emit")
+        g, pl, x = plan.ir.graph, plan.ir.placement, plan.ir.schedule.xfer
+        kv = x[x[:, XK] == X_KV]
+        assert plan.ir.schedule.stages == 1
+        assert np.all(kv[:, XSRC] == pl.home[kv[:, XTB]])  # straight from home, no forwarding
+        got = {(t, h, d) for t, h, d in kv[:, [XTB, XHG, XDST]].tolist()}
+        want = {(t, h, d) for t in range(g.n_tb) for h in range(g.n_hg) for d in range(4) if d != pl.home[t]}
+        assert len(kv) == len(got) and got == want
+        # coalesced: one forward KV message per ordered pair of devices that moves KV
+        st_ = plan.stats()
+        assert st_["messages_fwd"] >= 4 * 3
+
+
+def test_comm_mode_error_names_the_modes():
+    with pytest.raises(attnplan.PlanError, match="p2p, ring or allgather"):
+        _compile([100], 2, pipeline="tile{block=16},zigzag,comm{mode=a2a},emit")
