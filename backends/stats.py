@@ -4,7 +4,8 @@
 * compute_imbalance: max over devices of forward attention FLOPs / mean.
 * token_imbalance: max tokens homed on a device / mean.
 * comm bytes: every transfer once, forward and backward; a device's traffic
-  is what it receives plus what it sends; ``comm_bytes_max`` is the largest.
+  is what it receives plus what it sends; ``comm_bytes_max`` is the largest;
+  ``comm_bytes_inter`` the bytes that cross between nodes.
 * messages: what travels on the wire — one per (source, destination, phase,
   stage), carrying the blocks (``transfers``) that move together; each pays
   one latency in the cost model. ``messages_max``: the most a device sends
@@ -54,11 +55,14 @@ def _comm_totals(ir, dev: dict) -> dict:
     nb = X[:, T_BYTES].astype(float)
     fwd = X[:, T_PHASE] == FWD
     per_dev = np.bincount(M[:, M_SRC], minlength=ir.devices) + np.bincount(M[:, M_DST], minlength=ir.devices)
+    per_node = ir.placement.devices_per_node
+    inter = (X[:, T_SRC] // per_node) != (X[:, T_DST] // per_node)
     return {
         "comm_bytes_total": int(nb.sum()),
         "comm_bytes_fwd": int(nb[fwd].sum()),
         "comm_bytes_bwd": int(nb[~fwd].sum()),
         "comm_bytes_max": int((dev["comm_in"] + dev["comm_out"]).max()) if ir.devices else 0,
+        "comm_bytes_inter": int(nb[inter].sum()),
         "transfers": int(len(X)),
         "messages": int(len(M)),
         "messages_fwd": int((M[:, M_PHASE] == FWD).sum()),

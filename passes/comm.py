@@ -18,6 +18,14 @@
 
 Either way each partial O goes from a computing device to the Q block's home
 once, after its last write.
+
+``relay=node`` (with ``p2p``; DCP's two-phase inter-node transfer, Jiang et
+al. 2025 §4): a Q or KV block that several devices of one remote node need
+crosses the inter-node link once, to the lowest of those devices, in stage
+0, and that device forwards it to the others over the node's links in
+stage 1; compute blocks that use a relayed block run in stage 1. Inter-node
+bytes then count each (block, remote node) once, and the verifier proves the
+relay holds the block before it forwards it.
 """
 
 from __future__ import annotations
@@ -54,6 +62,44 @@ def allgather_kv(g, pl) -> np.ndarray:
     return rows[order].astype(np.int64).reshape(-1, 6)
 
 
+def relay_rows(kind: int, need: np.ndarray, per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """``need`` rows ``(tb, hg, src, dst)`` of one kind as schedule rows with
+    relays: per (block, destination node) off the source's node with two or
+    more destinations, the lowest destination receives in stage 0 and
+    forwards in stage 1. Returns (rows, the relayed rows' ``(tb, hg, dst)``)."""
+    tb, hg, src, dst = need.T
+    node = dst // per_node
+    remote = node != src // per_node
+    key = np.stack([tb, hg, node], 1)
+    # groups of rows sharing (block, destination node); need is sorted by (tb, hg, src, dst)
+    order = np.lexsort((dst, node, hg, tb))
+    k = key[order]
+    start = np.r_[True, np.any(k[1:] != k[:-1], axis=1)] if len(k) else np.zeros(0, bool)
+    gid = np.cumsum(start) - 1
+    size = np.bincount(gid, minlength=int(gid[-1]) + 1 if len(gid) else 0)[gid] if len(gid) else gid
+    first = np.flatnonzero(start)[gid] if len(gid) else gid
+    relay_dst = dst[order][first]
+    forwarded = remote[order] & (size >= 2) & ~start
+    srcs = np.where(forwarded, relay_dst, src[order])
+    stage = forwarded.astype(np.int64)
+    rows = np.column_stack([np.full(len(order), kind), tb[order], hg[order], srcs, dst[order], stage])
+    rows = rows[np.lexsort((rows[:, 4], rows[:, 3], rows[:, 5]))]  # by stage, then source, then destination
+    return rows.astype(np.int64).reshape(-1, 6), np.stack([tb[order], hg[order], dst[order]], 1)[forwarded]
+
+
+def relayed_stage(g, pl, relayed: list[np.ndarray]) -> np.ndarray:
+    """Stage of every compute block: 1 where its Q or its KV arrives by relay."""
+    n, n_hg = pl.devices, g.n_hg
+    stage = np.zeros(g.n_cb, np.int64)
+    for kind_tb, got in zip((g.cb_q, g.cb_k), relayed):
+        if len(got):
+            keys = np.sort((got[:, 0] * n_hg + got[:, 1]) * n + got[:, 2])
+            mine = (kind_tb * n_hg + g.cb_hg) * n + pl.cb_device
+            pos = np.searchsorted(keys, mine).clip(0, len(keys) - 1)
+            stage |= (keys[pos] == mine).astype(np.int64)
+    return stage
+
+
 def ring_kv(g, pl) -> tuple[np.ndarray, np.ndarray]:
     """Ring traffic: (schedule rows of KV, stage of every compute block).
     Rows come by stage, then sending device (block order within): the order
@@ -80,14 +126,21 @@ class Comm(Pass):
     name = "comm"
     needs = ("graph", "placement")
     mode: str = "p2p"
+    relay: str = "none"  # "node": DCP's two-phase inter-node transfer (p2p only)
 
     def __post_init__(self):
         if self.mode not in ("p2p", "ring", "allgather"):
             raise PlanError(f"comm: mode must be p2p, ring or allgather, got {self.mode!r}")
+        if self.relay not in ("none", "node"):
+            raise PlanError(f"comm: relay must be none or node, got {self.relay!r}")
+        if self.relay == "node" and self.mode != "p2p":
+            raise PlanError(f"comm: relay=node needs mode=p2p (got mode={self.mode})")
 
     def apply(self, ir: PlanIR) -> PlanIR:
         g, pl = ir.need_graph(), ir.need_placement()
         need = needed_transfers(g, pl)
+        if self.relay == "node" and pl.nodes > 1:
+            return ir.with_levels(schedule=self._relayed(g, pl, need))
         if self.mode == "p2p" or pl.devices == 1:
             stages = 1
             kv = _rows(X_KV, need[X_KV], 0)
@@ -101,6 +154,16 @@ class Comm(Pass):
             kv, cb_stage = ring_kv(g, pl)
         xfer = np.concatenate([_rows(X_Q, need[X_Q], 0), kv, _rows(X_O, need[X_O], stages - 1)])
         return ir.with_levels(schedule=Schedule(stages, cb_stage, xfer))
+
+    @staticmethod
+    def _relayed(g, pl, need) -> Schedule:
+        q, q_relayed = relay_rows(X_Q, need[X_Q], pl.devices_per_node)
+        kv, kv_relayed = relay_rows(X_KV, need[X_KV], pl.devices_per_node)
+        if not (len(q_relayed) or len(kv_relayed)):  # nothing to relay: the plain one-stage schedule
+            return Schedule(1, np.zeros(g.n_cb, np.int64),
+                            np.concatenate([q, kv, _rows(X_O, need[X_O], 0)]))
+        xfer = np.concatenate([q, kv, _rows(X_O, need[X_O], 1)])
+        return Schedule(2, relayed_stage(g, pl, [q_relayed, kv_relayed]), xfer)
 
 
 @register

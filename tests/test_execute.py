@@ -60,7 +60,8 @@ def cases(draw, max_tokens=160):
     heads, kv = draw(st.sampled_from(HEADS))
     # tiny blocks make thousands of kernel calls: keep block size 1 for small batches
     block = draw(st.sampled_from([1, 3, 8, 16, 64, 2048] if sum(lens) <= 24 else [5, 8, 16, 64, 2048]))
-    return dict(seqlens=lens, mask=draw(masks()), devices=devices, heads=heads, kv_heads=kv, head_dim=8,
+    nodes = draw(st.sampled_from([d for d in range(1, devices + 1) if devices % d == 0]))
+    return dict(seqlens=lens, mask=draw(masks()), devices=devices, nodes=nodes, heads=heads, kv_heads=kv, head_dim=8,
                 block_size=block, strategy=draw(st.sampled_from(STRATEGIES)), schedule=draw(schedules()),
                 seed=draw(st.integers(0, 1000)))
 
@@ -80,8 +81,10 @@ def schedules(draw):
     """Scheduling passes after the placement: None = the strategy's default."""
     if draw(st.integers(0, 2)) == 0:
         return None
-    comm = draw(st.sampled_from(["comm{mode=p2p}", "comm{mode=ring}", "comm{mode=allgather}"]))
-    divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if not comm.endswith("ring}") and draw(st.booleans()) else ""
+    comm = draw(st.sampled_from(["comm{mode=p2p}", "comm{mode=ring}", "comm{mode=allgather}",
+                                 "comm{mode=p2p,relay=node}"]))
+    divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if comm in ("comm{mode=p2p}", "comm{mode=allgather}") \
+        and draw(st.booleans()) else ""
     overlap = ",overlap" if draw(st.booleans()) else ""
     return comm + divide + overlap
 

@@ -1,7 +1,7 @@
-"""The ``usp`` strategy (Ulysses inside a group × zigzag ring across groups)
-and ``comm{mode=allgather}``: their layouts and traffic, checked against
-their definitions; execution equal to dense attention is in test_execute.py
-(every strategy and comm mode)."""
+"""The ``usp`` strategy (Ulysses inside a group × zigzag ring across groups),
+``comm{mode=allgather}`` and ``comm{relay=node}``: their layouts and
+traffic, checked against their definitions; execution equal to dense
+attention is in test_execute.py (every strategy and comm mode)."""
 
 import numpy as np
 import pytest
@@ -95,3 +95,32 @@ def test_allgather_sends_every_kv_block_to_every_other_device_once():
 def test_comm_mode_error_names_the_modes():
     with pytest.raises(attnplan.PlanError, match="p2p, ring or allgather"):
         _compile([100], 2, pipeline="tile{block=16},zigzag,comm{mode=a2a},emit")
+
+
+@given(st.lists(st.integers(1, 900), min_size=1, max_size=8), st.sampled_from(["zigzag", "minheap", "per_doc"]),
+       st.sampled_from([(4, 2), (8, 2), (8, 4), (6, 3)]))
+def test_relay_crosses_each_remote_node_once_per_block(lens, strategy, mesh):
+    devices, nodes = mesh
+    pipe = "tile{block=64},%s,comm{mode=p2p%s},emit"
+    plain = _compile(lens, devices, nodes, pipeline=pipe % (strategy, ""))
+    relay = _compile(lens, devices, nodes, pipeline=pipe % (strategy, ",relay=node"))
+    per = devices // nodes
+    x = relay.ir.schedule.xfer
+    inputs = x[x[:, XK] != 2]  # Q and KV (partial outputs go straight home)
+    inter = inputs[(inputs[:, XSRC] // per) != (inputs[:, XDST] // per)]
+    key = np.stack([inter[:, XK], inter[:, XTB], inter[:, XHG], inter[:, XDST] // per], 1)
+    assert len(np.unique(key, axis=0)) == len(key)  # one crossing per (block, remote node)
+    # relays forward only inside their node, and every device gets what it got without relays
+    fwd = inputs[inputs[:, 5] == 1]
+    assert np.all(fwd[:, XSRC] // per == fwd[:, XDST] // per)
+    px = plain.ir.schedule.xfer
+    got = {tuple(r) for r in inputs[:, [XK, XTB, XHG, XDST]].tolist()}
+    want = {tuple(r) for r in px[px[:, XK] != 2][:, [XK, XTB, XHG, XDST]].tolist()}
+    assert got == want
+    a, b = plain.stats(), relay.stats()
+    assert b["comm_bytes_inter"] <= a["comm_bytes_inter"] and b["comm_bytes_total"] == a["comm_bytes_total"]
+
+
+def test_relay_needs_p2p():
+    with pytest.raises(attnplan.PlanError, match="relay=node needs mode=p2p"):
+        _compile([100], 4, 2, pipeline="tile{block=16},zigzag,comm{mode=ring,relay=node},emit")
