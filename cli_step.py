@@ -1,20 +1,27 @@
 """``plan step ...``: the training step as the unit of planning (attnplan.step).
 
     plan step compare (--batch FILE[:NAME] | --seqlens ...) --model M --mesh dp=D,cp=C [--nodes K]
-                      [--systems a,b|all] [--profile P] [--json]
+                      [--systems a,b|all] [--profile P] [--json] [--html F]
     plan step compile (--batch ... | --seqlens ...) --model M --mesh ... --system S -o F.step
     plan step show F.step [--json]
+    plan step bench [--batches FILE] [--names a,b] [--systems ...] [--model M] [--profile P] [--out DIR]
 
-``compare``: one row per system, side by side on the same global batch;
-``compile``: one system's step plan file (the micro-batch plan and every
-micro-batch's attention plan, :mod:`attnplan.step.stepfile`); ``show``: every
-fragment of a step file with its micro-batch and global ranks. Every input
-error is one line on stderr and exit code 2 (``cli.main`` catches it)."""
+``compare``: one row per system, side by side on the same global batch
+(``--html``: the step report, every system's per-rank timeline,
+:mod:`attnplan.step.report`); ``compile``: one system's step plan file (the
+micro-batch plan and every micro-batch's attention plan,
+:mod:`attnplan.step.stepfile`); ``show``: every fragment of a step file with
+its micro-batch and global ranks; ``bench``: the step suite
+(:mod:`attnplan.tools.step_bench`). Every input error is one line on stderr
+and exit code 2 (``cli.main`` catches it)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
+import os
 import re
 import sys
 
@@ -65,6 +72,7 @@ def add_step_parser(sub) -> None:
     cp.add_argument("--systems", default="all", help="comma-separated systems (options in braces: wlb{micro=2}), "
                     "or all")
     cp.add_argument("--json", action="store_true")
+    cp.add_argument("--html", default=None, help="write the step report (per-rank timeline of every system) here")
     co = ss.add_parser("compile", help="one system's step plan file: micro-batches, groups, attention plans")
     _problem_args(co)
     co.add_argument("--system", default="fixed", help="the batch-level system, e.g. wlb or pool{micro=2}")
@@ -72,6 +80,42 @@ def add_step_parser(sub) -> None:
     sh = ss.add_parser("show", help="every fragment of a step plan file with its micro-batch and global ranks")
     sh.add_argument("step_file")
     sh.add_argument("--json", action="store_true")
+    bn = ss.add_parser("bench", help="every system on every batch of a workload file (4 nodes x 8 devices): "
+                       "progress bar, table, JSON, plots")
+    bn.add_argument("--batches", default=None, help="JSONL of batches (default: ../shared/workloads/batches.jsonl)")
+    bn.add_argument("--names", default=None, help="comma-separated batch names to keep")
+    bn.add_argument("--systems", default="all", help="comma-separated systems (options in braces), or all")
+    bn.add_argument("--model", default="llama3-8b", help="preset or FILE.json")
+    bn.add_argument("--profile", default="h100", help="cost profile: h100, h200, a100, cpu-local, or FILE.json")
+    bn.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
+    bn.add_argument("--recompute", default="full", choices=["full", "none"], help="activation recompute")
+    bn.add_argument("--out", default="out/step_bench", help="folder for step_bench.json, summary.txt and PNG "
+                    "plots (created if missing; an existing file is an error)")
+    bn.add_argument("--no-progress", action="store_true")
+
+
+@contextlib.contextmanager
+def _c_stdout_to_stderr():
+    """While systems plan, C code's stdout goes to stderr: HiGHS (flexsp's MILP, through scipy) can
+    printf a debug line, which would corrupt ``--json`` or ``-o -`` output. Python's and C's stdout
+    buffers are flushed before fd 1 is restored."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no real fd 1 (captured in tests): nothing to guard
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+            ctypes.CDLL(None).fflush(None)
+        except (OSError, AttributeError, ValueError):
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _mesh(args):
@@ -106,15 +150,27 @@ def _cmd_compare(args) -> int:
     names = system_list(args.systems)
     problem = _problem(args)
     mesh = problem.mesh
-    rows, _ = compare_systems(problem, names)
+    if args.html:
+        from .cli import _check_output
+        _check_output(args.html, "step report")
+    with _c_stdout_to_stderr():
+        rows, done = compare_systems(problem, names)
+    if args.html:
+        from .cli import _write_output
+        from .step.report import render_step_html
+        _write_output(args.html, render_step_html(problem, rows, done), "step report")
+    out = sys.stderr if args.html == "-" else sys.stdout   # stdout carries the HTML
     if args.json:
         print(json.dumps({"model": problem.model.name, "mesh": mesh.spec(), "devices_per_node": mesh.devices_per_node,
                           "profile": problem.profile.name, "tokens": problem.tokens, "documents": problem.docs,
-                          "rows": rows}, indent=2))
+                          "rows": rows}, indent=2), file=out)
     else:
         print(f"{problem.tokens:,} tokens in {problem.docs} documents, {problem.model.name}, {mesh.spec()} on "
-              f"{mesh.nodes} node(s) of {mesh.devices_per_node}, {problem.profile.name}, recompute {mesh.recompute}")
-        print(format_rows(rows))
+              f"{mesh.nodes} node(s) of {mesh.devices_per_node}, {problem.profile.name}, recompute {mesh.recompute}",
+              file=out)
+        print(format_rows(rows), file=out)
+        if args.html:
+            print(f"wrote {args.html if args.html != '-' else '<stdout>'}", file=out)
     return 0
 
 
@@ -124,7 +180,9 @@ def _cmd_compile(args) -> int:
     from .step.stepfile import pack
     _check_output(args.output, "step plan file", binary=True)
     parse_system(args.system)
-    c = compile_step(_problem(args), args.system)
+    problem = _problem(args)
+    with _c_stdout_to_stderr():
+        c = compile_step(problem, args.system)
     where = _write_output(args.output, pack(c), "step plan file")
     r = c.report
     print(f"wrote {where}: {c.plan.system}, {r['micro_batches']} micro-batches on {r['devices']} devices, step "
@@ -144,8 +202,38 @@ def _cmd_show(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from .backends.cost import get_profile
+    from .step import load_model
+    from .step.compare import system_list
+    from .tools.bench import ensure_out_dir, load_batches
+    from .tools.step_bench import step_bench
+    path = args.batches or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "workloads",
+                                        "batches.jsonl")
+    if not os.path.isfile(path):
+        raise StepError(f"batch file not found: {path} (give --batches FILE)")
+    names = None
+    if args.names is not None:
+        names = [n.strip() for n in args.names.split(",") if n.strip()]
+        if not names:
+            raise StepError(f"--names must list batch names separated by ',', got {args.names[:40]!r}")
+    system_list(args.systems)            # every input is checked before minutes of planning
+    load_model(args.model)
+    get_profile(args.profile)
+    load_batches(path, names)            # "no batch named ..."
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise StepError(f"{args.out}: not a folder (--out names a folder for step_bench.json, summary.txt and plots)")
+    ensure_out_dir(args.out)
+    with _c_stdout_to_stderr():        # the progress bar goes to stderr too
+        res = step_bench(path, args.systems, args.out, names=names, model=args.model, profile=args.profile,
+                         recompute=args.recompute, block_size=args.block_size, show_progress=not args.no_progress)
+    print(res["text"])
+    print("wrote " + ", ".join(str(f) for f in res["files"]))
+    return 0
+
+
 def cmd_step(args) -> int:
-    cmds = {"compare": _cmd_compare, "compile": _cmd_compile, "show": _cmd_show}
+    cmds = {"compare": _cmd_compare, "compile": _cmd_compile, "show": _cmd_show, "bench": _cmd_bench}
     return cmds[args.step_cmd](args)
 
 

@@ -20,7 +20,9 @@ accumulating gradients; then the gradients (and the loss) are summed over
 all dp × cp ranks in one all_reduce and every rank takes the same AdamW step.
 
 The loss of every step equals single-process training with dense masked
-attention on the same global batch (``--compare``; fp32 reassociation only),
+attention on the same global batch (``--compare``; fp32 reassociation only;
+with WLB-LLM's outlier queue, ``--system "wlb{max_tokens=512,outlier=0.5}"``,
+on the documents each step trains, long ones waiting for a later step),
 and two runs give bitwise identical losses: the plans are pure functions of
 the batches, the data and the initial weights come from explicit seeds.
 
@@ -171,16 +173,35 @@ def train(rank: int, world: int, cfg: dict, workers: int = 1) -> dict:
     return {"losses": losses, "micro_batches": micro, "groups": groups}
 
 
+def reference_steps(cfg: dict):
+    """The documents each step trains: the global batches; with a system that carries documents between
+    steps (``wlb{outlier>0}``: its outlier queue), the documents of each step of its chain of plans
+    (carried ones included, queued ones left for a later step, a last ``end-of-data`` step draining the
+    queue), planned here in place — the plans are pure functions of the batches."""
+    from attnplan.step import parse_system
+    spec = system_spec(cfg)
+    if not parse_system(spec).carries_state():
+        yield from global_batches(cfg)
+        return
+    batches = list(global_batches(cfg))
+    with StepLoader(batches, step_model(cfg), mesh(cfg), spec, mask=cfg["mask"], block_size=cfg["block_size"],
+                    rank=0, workers=0, process_groups=False) as loader:
+        for step in loader:
+            p = step.plan.problem
+            trained = sorted(set(step.plan.frag_doc.tolist()))
+            yield [batches[s][i] for s, i in p.origin[trained].tolist()]
+
+
 def train_reference(cfg: dict) -> list[float]:
-    """The same steps in one process: every document of the global batch packed in data order, dense
-    attention masked to each document, the loss normalized by the batch's label tokens."""
+    """The same steps in one process: every document the step trains (:func:`reference_steps`) packed in
+    order, dense attention masked to each document, the loss normalized by the step's label tokens."""
     from attnplan.frontend import load_mask, lower_batch
     from attnplan.runtime.reference import dense_allowed
     model = make_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     prog = load_mask(cfg["mask"])
     losses = []
-    for docs in global_batches(cfg):
+    for docs in reference_steps(cfg):
         lens = [len(d) for d in docs]
         allowed = torch.from_numpy(dense_allowed(lower_batch(prog, lens, None).a, sum(lens)))
         ids = torch.from_numpy(np.concatenate(docs))

@@ -49,6 +49,13 @@ class StepPass:
     def apply(self, problem: StepProblem) -> StepPlan:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def carries_state(self) -> bool:
+        """Whether this pass's plans may queue documents for a later step (``queue_out``), so that step
+        ``n + 1`` must be planned with step ``n``'s queue as its ``carried`` documents (the step loader
+        then plans the steps as a chain, in order). A pass with a queue must place every carried
+        document when a step brings no new ones (the end of the data: the queue drains)."""
+        return False
+
     def spec(self) -> str:
         opts = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
         return f"{self.name}{{{opts}}}" if opts else self.name

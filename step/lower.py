@@ -211,7 +211,8 @@ def make_problem(seqlens, model="llama3-8b", mesh: Mesh | None = None, profile="
     """A checked :class:`StepProblem`: this step's document lengths after the
     ``carried`` ones (lengths queued by earlier steps, with their
     ``carried_origin`` rows ``(step, index)``), every size against
-    ir/limits.py. BatchError for bad lengths, StepError for the rest."""
+    ir/limits.py. A step may bring no new documents when it has carried
+    ones (the end of the data, where a queue drains). BatchError for bad lengths, StepError for the rest."""
     if mesh is None:
         raise StepError("a step needs a mesh, e.g. Mesh(dp=4, cp=8)")
     if not isinstance(mesh, Mesh):
@@ -224,8 +225,8 @@ def make_problem(seqlens, model="llama3-8b", mesh: Mesh | None = None, profile="
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
             or not 1 <= block_size <= MAX_TOKENS:
         raise StepError(f"block_size must be an integer in 1..{MAX_TOKENS:,}, got {block_size!r:.40}")
-    new = _lengths(seqlens, "seqlens")
     old = _lengths(carried, "carried", allow_empty=True)
+    new = _lengths(seqlens, "seqlens", allow_empty=len(old) > 0)  # only carried documents: the queue drains
     lens = np.concatenate([old, new])
     if len(lens) > MAX_SAMPLES or int(lens.sum()) > MAX_TOKENS:
         raise BatchError(f"the step has {len(lens):,} documents and {int(lens.sum()):,} tokens; at most "

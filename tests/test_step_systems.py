@@ -50,8 +50,10 @@ def global_batches(draw):
 
 
 @settings(max_examples=40)
-@given(global_batches(), st.sampled_from(["fixed", "wlb", "pool"]))
+@given(global_batches(), st.sampled_from(sorted(BUILTIN)))
 def test_every_system_partitions_the_batch_and_computes_dense_attention(case, system):
+    """Random global batches × every built-in system × small meshes: the fragments partition the batch
+    and every micro-batch's attention plan computes dense causal attention of its documents."""
     lens, (dp, cp, per_node) = case
     c = compile_step(problem(lens, dp, cp, per_node), system)
     plan = c.plan

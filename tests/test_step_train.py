@@ -143,17 +143,14 @@ def dense_attention(lens):
     return attn
 
 
-@settings(max_examples=12)
-@given(batches(), st.sampled_from(MESHES), st.sampled_from(SYSTEMS))
-def test_weighted_micro_batch_losses_sum_to_the_dense_global_loss_and_gradient(data, mesh, system):
-    """Every micro-batch rebuilt from its ranks' local rows (ids, positions, labels, weights) and run with
-    its attention plan: Σ weight × token loss and its parameter gradient equal the dense global batch's
-    mean loss and gradient (what summing the ranks' gradients gives in training)."""
-    docs = data[0]
-    if sum(len(d) - 1 for d in docs) == 0:
-        return
-    ranks = every_rank([docs], mesh, system)[0]
+def assert_dense_equal(ranks, docs):
+    """Every micro-batch of one step rebuilt from its ranks' local rows (ids, positions, labels, weights)
+    and run with its attention plan: Σ weight × token loss and its parameter gradient equal the dense
+    mean loss and gradient of the documents the step trains (``docs``: the step problem's documents,
+    carried ones first; those queued for a later step are not trained) — what summing the ranks'
+    gradients gives in training."""
     plan = ranks[0].plan
+    trained = sorted(set(plan.frag_doc.tolist()))
     net = TinyNet()
     total = torch.zeros((), dtype=torch.float64)
     for m in range(plan.n_mb):
@@ -172,6 +169,7 @@ def test_weighted_micro_batch_losses_sum_to_the_dense_global_loss_and_gradient(d
     total.backward()
     got = [p.grad.clone() for p in net.parameters()]
     net.zero_grad()
+    docs = [docs[d] for d in trained]
     lens = [len(d) for d in docs]
     ids = torch.from_numpy(np.concatenate(docs))
     labels = torch.from_numpy(np.concatenate([np.append(d[1:], IGNORE) for d in docs]))
@@ -182,6 +180,17 @@ def test_weighted_micro_batch_losses_sum_to_the_dense_global_loss_and_gradient(d
     assert float(total.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
     for g, p in zip(got, net.parameters()):
         assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-9)
+
+
+@settings(max_examples=12)
+@given(batches(), st.sampled_from(MESHES), st.sampled_from(SYSTEMS))
+def test_weighted_micro_batch_losses_sum_to_the_dense_global_loss_and_gradient(data, mesh, system):
+    """Σ weight × token loss over the micro-batches, and its gradient, equal the dense global batch's
+    mean loss and gradient (:func:`assert_dense_equal`)."""
+    docs = data[0]
+    if sum(len(d) - 1 for d in docs) == 0:
+        return
+    assert_dense_equal(every_rank([docs], mesh, system)[0], docs)
 
 
 def test_plans_from_a_worker_equal_plans_made_in_place_byte_for_byte():
@@ -220,12 +229,52 @@ def test_errors_come_typed_at_their_step_and_later_steps_still_come():
             next(ld)
 
 
-def test_a_system_that_carries_documents_between_steps_is_refused():
+QUEUE = "wlb{max_tokens=100,outlier=0.5}"   # documents of 50 tokens or more wait for a slot of their own
+
+
+def test_a_queue_carries_documents_to_later_steps_each_trained_once_with_the_dense_loss():
+    """WLB-LLM's outlier queue across steps: step s + 1 is planned with step s's queue as its carried
+    documents, the queue drains in an end-of-data step, every document of the data is trained exactly
+    once (every token once, with its ids and position), each step's loss and gradient equal dense
+    training of that step's documents, and planning in a worker gives the same bytes."""
     rng = np.random.default_rng(1)
-    data = [[rng.integers(0, 32, n) for n in (90, 10, 10)]]  # 90 ≥ 0.5 × 100 tokens: an outlier, queued
-    with loader(data, (2, 1, 2), "wlb{max_tokens=100,outlier=0.5}") as ld:
-        with pytest.raises(StepError, match=r"queued 1 document\(s\) for a later step"):
+    lens = ([90, 10, 10], [20, 60, 5], [30, 30], [70, 8])
+    data = [[rng.integers(0, 32, n) for n in ls] for ls in lens]
+    steps = every_rank(data, (2, 1, 2), QUEUE)
+    plans = [ranks[0].plan for ranks in steps]
+    assert any(len(p.queue_out) for p in plans) and any(p.problem.carried for p in plans)  # the queue worked
+    assert [r[0].name for r in steps][-1] == "end-of-data" and not len(plans[-1].queue_out)
+    with loader(data, (2, 1, 2), QUEUE, workers=1) as ld:
+        assert [(s.name, s.digest) for s in ld] == [(r[0].name, r[0].digest) for r in steps]
+    trained: dict[tuple[int, int], list[int]] = {}
+    for ranks in steps:
+        plan = ranks[0].plan
+        p = plan.problem
+        assert all(r.digest == ranks[0].digest for r in ranks)
+        step_docs = [data[s][i] for s, i in p.origin.tolist()]          # carried ones first
+        for step in ranks:
+            for mb in step:
+                for d, pos, tok in zip(mb.doc_ids.tolist(), mb.position_ids.tolist(), mb.ids.tolist()):
+                    s, i = p.origin[d].tolist()
+                    assert tok == data[s][i][pos]
+                    trained.setdefault((s, i), []).append(pos)
+        assert_dense_equal(ranks, step_docs)
+    assert {k: sorted(v) for k, v in trained.items()} == {
+        (s, i): list(range(len(d))) for s, b in enumerate(data) for i, d in enumerate(b)}
+
+
+def test_a_failed_step_of_a_chain_carries_its_queue_on():
+    rng = np.random.default_rng(2)
+    data = [[rng.integers(0, 32, n) for n in (90, 10, 10)], [np.array([], np.int64)],
+            [rng.integers(0, 32, n) for n in (20, 5)]]
+    with loader(data, (2, 1, 2), QUEUE) as ld:
+        first = next(ld)
+        assert first.plan.queue_out.tolist() == [0]
+        with pytest.raises(BatchError, match=r"^step #1: document 0"):
             next(ld)
+        rest = list(ld)
+    carried = [s.plan.problem.origin[:s.plan.problem.carried].tolist() for s in rest]
+    assert carried[0] == [[0, 0]] and sum(len(s.plan.frag_doc) for s in rest) == 3  # doc (0, 0) trained later
 
 
 @pytest.mark.parametrize("kwargs,err,msg", [

@@ -63,10 +63,21 @@ device may compute or forward blocks of others.
 Choices made here:
 
 * A system that queues documents for a later step (WLB-LLM's outlier queue,
-  ``wlb{outlier>0}``) makes step ``s + 1``'s plan depend on step ``s``'s:
-  steps could no longer be planned independently and ahead. The loader
-  refuses such a plan (:class:`StepError` when its step comes up) rather
-  than drop or silently re-order documents.
+  ``wlb{outlier>0}``; :meth:`StepPass.carries_state`) makes step ``s + 1``'s
+  plan depend on step ``s``'s: step ``s + 1`` is planned with step ``s``'s
+  ``queue_out`` as its ``carried`` documents (their token ids stay in the
+  training process, their origins ``(step, index)`` go into the plan). The
+  steps are then planned as a chain, in order, by one worker process: as
+  soon as step ``s``'s plan arrives, step ``s + 1`` is sent to the worker
+  with its carried lengths, so planning stays one step ahead of training
+  (``lookahead`` does not apply; ``workers=0`` plans in place when a step
+  is asked for). Every rank runs the same chain, so the plans stay equal
+  and two runs are identical. When the data ends with documents still
+  queued, the loader yields one more step, named ``end-of-data``, holding
+  only those documents (a step without new documents drains the queue), so
+  every document of the data is trained exactly once. A step that fails
+  (a malformed batch, a planning error) trains nothing, and the documents
+  carried into it are carried on to the next step.
 * Planning errors (a document no mesh group can hold, a bad option) are
   raised typed when their step comes up, with its batch named; the following
   steps still come (the prefetcher's rule). A malformed batch (not a list of
@@ -91,7 +102,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import AttnplanError, BatchError, StepError
+from ..errors import AttnplanError, BatchError, PlanError, StepError
 from ..ir.limits import MAX_SAMPLES, MAX_TOKENS
 from ..step import Mesh, StepPlan, compile_step, load_model, make_problem, parse_system
 from ..step.model import Model, model_from_dict
@@ -145,6 +156,27 @@ def plan_step_to_bytes(seqlens, segments, opts: dict):
     except AttnplanError as e:
         err: AttnplanError = e
     except Exception as e:  # a bug, not bad input: still name the step in the training process
+        err = StepError(f"step planning failed: {type(e).__name__}: {e}")
+    try:
+        pickle.dumps(err)
+    except Exception:
+        err = StepError(f"step planning failed: {type(err).__name__}: {err}")
+    return ("error", err)
+
+
+def plan_chain_step_to_bytes(seqlens, carried, carried_origin, step: int, opts: dict):
+    """Worker side of a chain (a system that carries documents between steps): plan step ``step`` of
+    new documents of lengths ``seqlens`` after the ``carried`` ones (their ``(step, index)`` origins);
+    what :func:`plan_step_to_bytes` returns."""
+    try:
+        problem = make_problem(seqlens, model=model_from_dict(opts["model"], "<planning options>"),
+                               mesh=Mesh(**opts["mesh"]), profile=opts["profile"], mask=opts["mask"],
+                               block_size=opts["block_size"], carried=carried, carried_origin=carried_origin,
+                               step=step)
+        return ("ok", pack_step(compile_step(problem, opts["system"])))
+    except AttnplanError as e:
+        err: AttnplanError = e
+    except Exception as e:  # a bug, not bad input
         err = StepError(f"step planning failed: {type(e).__name__}: {e}")
     try:
         pickle.dumps(err)
@@ -352,9 +384,14 @@ class StepLoader:
         self.rank = int(rank)
         self.groups = GroupCache(self.world)
         self._index = 0
-        self._prefetcher = PlanPrefetcher(_requests(batches, self.model.vocab), self.opts, workers=workers,
-                                          lookahead=lookahead, mp_context=mp_context,
-                                          compile_fn=plan_step_to_bytes, decode=read_step)
+        self._chain: _Chain | None = None
+        self._prefetcher: PlanPrefetcher | None = None
+        if parse_system(self.opts["system"]).carries_state():
+            self._chain = _Chain(_requests(batches, self.model.vocab), self.opts, workers, mp_context)
+        else:
+            self._prefetcher = PlanPrefetcher(_requests(batches, self.model.vocab), self.opts, workers=workers,
+                                              lookahead=lookahead, mp_context=mp_context,
+                                              compile_fn=plan_step_to_bytes, decode=read_step)
 
     def __iter__(self) -> StepLoader:
         return self
@@ -362,24 +399,27 @@ class StepLoader:
     def __next__(self) -> StepBatch:
         index = self._index
         try:  # a planning error is raised here, typed, its batch named; the next steps still come
-            request, (digest, loaded) = next(self._prefetcher)
+            source = self._chain if self._chain is not None else self._prefetcher
+            if source is None:
+                raise StopIteration
+            request, (digest, loaded) = next(source)
         finally:
             self._index += 1
         if "error" in request:
             raise request["error"]
         name = request["name"]
         plan = loaded.plan
-        if plan.problem.seqlens.tolist() != [len(a) for a in request["docs"]]:
+        docs = request.get("all_docs", request["docs"])   # carried documents first, in a chain
+        if plan.problem.seqlens.tolist() != [len(a) for a in docs]:
             raise StepError(f"step {name}: the step plan is not of this batch's documents")
-        if len(plan.queue_out):
+        if len(plan.queue_out) and self._chain is None:
             raise StepError(f"step {name}: system {plan.system} queued {len(plan.queue_out)} document(s) for a "
-                            f"later step; the step loader plans every step on its own, ahead of time, and "
-                            f"cannot carry documents between steps (use a system without a queue)")
+                            f"later step, but it does not say it carries state (StepPass.carries_state)")
         if self.process_groups and self.check:
             self._agree(digest, name)
         if self.process_groups:
             self.groups.ensure(plan)
-        return self._step(index, name, plan, loaded.attention, request["docs"], digest)
+        return self._step(index, name, plan, loaded.attention, docs, digest)
 
     def _agree(self, digest: bytes, name: str) -> None:
         """Every rank holds the same step plan (an all_gather of 16 bytes of its digest)."""
@@ -425,10 +465,106 @@ class StepLoader:
 
     def close(self) -> None:
         """Stop the planning workers (the process groups stay: they belong to the default group)."""
-        self._prefetcher.close()
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        if self._chain is not None:
+            self._chain.close()
 
     def __enter__(self) -> StepLoader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Chain:
+    """Steps planned in order, each with the previous step's queue as its carried documents (see the
+    module doc): one step in flight in one worker process (none with ``workers=0``). Yields what the
+    prefetcher yields, ``(request, (digest, LoadedStep))``, the request gaining ``all_docs`` (the carried
+    documents' token ids, then the batch's)."""
+
+    END = "end-of-data"
+
+    def __init__(self, requests, opts: dict, workers: int, mp_context: str):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise PlanError(f"StepLoader: workers must be a non-negative integer, got {workers!r:.40}")
+        self._requests = requests
+        self.opts = opts
+        try:
+            self._ctx = multiprocessing.get_context(mp_context)
+        except (ValueError, TypeError):
+            raise PlanError(f"StepLoader: mp_context must be one of "
+                            f"{', '.join(multiprocessing.get_all_start_methods())}, got {mp_context!r:.40}") from None
+        self._pool = ProcessPoolExecutor(1, mp_context=self._ctx) if workers else None
+        self._carried: list[np.ndarray] = []        # token ids of the queued documents, in queue order
+        self._carried_origin = np.zeros((0, 2), np.int64)
+        self._step = 0
+        self._done = False
+        self._pending: tuple[dict, Any] | None = None   # (request, future or None)
+        self._advance()
+
+    def _advance(self) -> None:
+        """Take the next request (or the end-of-data step while documents are queued) and send it."""
+        if self._pending is not None or self._done:
+            return
+        try:
+            request = next(self._requests)
+        except StopIteration:
+            if not self._carried:
+                self._done = True
+                return
+            request = {"name": self.END, "seqlens": [], "docs": []}
+        request = dict(request, step=self._step, all_docs=self._carried + list(request.get("docs", [])),
+                       carried=[len(a) for a in self._carried], carried_origin=self._carried_origin)
+        self._step += 1
+        future = None
+        if "error" not in request and self._pool is not None:
+            future = self._pool.submit(plan_chain_step_to_bytes, request["seqlens"], request["carried"],
+                                       request["carried_origin"], request["step"], self.opts)
+        self._pending = (request, future)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from concurrent.futures.process import BrokenProcessPool
+        if self._pending is None:
+            self._advance()
+            if self._pending is None:
+                raise StopIteration
+        request, future = self._pending
+        self._pending = None
+        if "error" in request:          # a malformed batch: nothing trained, the queue carries on
+            self._advance()
+            return request, (b"", None)
+        args = (request["seqlens"], request["carried"], request["carried_origin"], request["step"], self.opts)
+        try:
+            res = future.result() if future is not None else plan_chain_step_to_bytes(*args)
+        except BrokenProcessPool:       # the worker died: a new one plans the next steps
+            from concurrent.futures import ProcessPoolExecutor
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = ProcessPoolExecutor(1, mp_context=self._ctx)
+            res = ("error", PlanError("a planning worker process died (killed, or out of memory) before this "
+                                      "step was planned; the worker was restarted"))
+        if res[0] == "error":
+            self._advance()
+            raise res[1].with_prefix(f"batch {request['name']}: ")
+        digest, loaded = read_step(res[1], f"<step plan of batch {request['name']}>")
+        queue = loaded.plan.queue_out.tolist()
+        origin = loaded.plan.problem.origin
+        self._carried = [request["all_docs"][d] for d in queue]
+        self._carried_origin = origin[queue].reshape(-1, 2) if queue else np.zeros((0, 2), np.int64)
+        self._advance()                 # the next step plans while this one trains
+        return request, (digest, loaded)
+
+    def close(self) -> None:
+        self._done = True
+        if self._pending is not None and self._pending[1] is not None:
+            self._pending[1].cancel()
+        self._pending = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

@@ -31,6 +31,9 @@ Choices the survey leaves open, made here:
   it, one per micro-batch, placed before the greedy; the rest stay queued
   (``queue_out``, the carried state of the next step). ``outlier=0`` (the
   default) queues nothing, so one step's table compares the same work.
+  A step with no new documents (only carried ones: the end of the data)
+  drains the queue: every carried document is packed by the greedy like
+  any other, so no document waits forever.
 * Inside: ``inner=adaptive`` lowers each micro-batch with ``per_doc`` and
   ``zigzag`` and keeps the one of lower predicted attention time (WLB-LLM
   §4.3 compares the kernels' tile-rounded work; attnplan's simulator prices
@@ -60,6 +63,8 @@ def split_outliers(problem: StepProblem, threshold: float, slots: int) -> tuple[
     first, then this step's documents of at least ``threshold`` tokens in data order."""
     docs = np.arange(problem.docs, dtype=np.int64)
     carried = docs[:problem.carried]
+    if problem.docs and problem.carried == problem.docs:  # the end of the data: the queue drains
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     if threshold <= 0:
         queue = carried
     else:
@@ -84,6 +89,9 @@ class Wlb(StepPass):
         if not 0.0 <= self.outlier <= 1.0:
             raise StepError(f"wlb: outlier must be in [0, 1] (a share of L_max), got {self.outlier}")
         check_option("wlb", "inner", self.inner, adaptive=True)
+
+    def carries_state(self) -> bool:
+        return self.outlier > 0
 
     def apply(self, problem: StepProblem) -> StepPlan:
         mesh, lens = problem.mesh, problem.seqlens
