@@ -18,7 +18,8 @@ from attnplan.step import Mesh, Model, compile_step, make_problem, parse_system
 from attnplan.step.simulate import doc_seconds
 from attnplan.step.systems.common import tokens_per_device
 from attnplan.step.systems.dyncp import DynCP, buckets_of, group_sizes, layout, need_size
-from attnplan.step.systems.flexsp import FlexSP, bucket_runs, comm_seconds, launch_seconds, polish
+from attnplan.step.systems.flexsp import FlexSP, bucket_runs, comm_seconds, launch_seconds
+from attnplan.step.systems.flexsp_milp import polish
 
 TINY = Model("tiny", 2, 64, 4, 2, 8, 128, 256)
 MESHES = [(1, 1, 1), (1, 2, 2), (2, 1, 2), (2, 2, 4), (1, 4, 4), (2, 2, 2), (4, 2, 4)]  # dp, cp, devices a node
