@@ -154,7 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="plan", description="attnplan: compile, inspect and run distributed attention plans. "
                  "Sizes are bounded by attnplan/ir/limits.py; -o - writes to standard output.")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    _add_compile(sub)
+    _add_inspect(sub)
+    _add_run(sub)
+    _add_compare_bench(sub)
+    from .cli_step import add_step_parser
+    add_step_parser(sub)  # plan step ...
+    return ap
 
+
+def _add_compile(sub) -> None:
     c = sub.add_parser("compile", help="compile a batch and a mask into a plan file")
     _batch_args(c)
     c.add_argument("--mask", default="causal", help="builtin name, mask expression, or FILE.mask (default: causal)")
@@ -170,11 +179,38 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True,
                    help="plan file to write; - writes its bytes to stdout (not to a terminal), the summary to stderr")
 
+
+def _add_inspect(sub) -> None:
+    """stats, show, mask, viz, explain: reading a plan (or a mask)."""
     s = sub.add_parser("stats", help="statistics of a plan")
     s.add_argument("plan")
     s.add_argument("--json", action="store_true")
     s.add_argument("--profile", default=None)
 
+    sh = sub.add_parser("show", help="text form of a plan's programs")
+    sh.add_argument("plan")
+    sh.add_argument("--device", type=int, default=None)
+    sh.add_argument("--level", default="program", choices=["program", "all"])
+
+    m = sub.add_parser("mask", help="ASCII picture of a mask over a small batch")
+    m.add_argument("mask")
+    _batch_args(m)
+    m.add_argument("--width", type=_int_in(1, limits.MAX_MASK_WIDTH), default=64,
+                   help=f"columns, 1..{limits.MAX_MASK_WIDTH} (at most one a token)")
+
+    vz = sub.add_parser("viz", help="visual report of a plan: one self-contained HTML file and/or PNG pictures")
+    vz.add_argument("plan")
+    vz.add_argument("-o", "--output", default=None, help="HTML report to write, e.g. report.html; - writes to stdout")
+    vz.add_argument("--png", default=None, metavar="DIR", help="write mask/bars/comm/timeline PNGs into DIR")
+    vz.add_argument("--profile", default=None, help="cost profile for the timeline (default: the plan's)")
+
+    ex = sub.add_parser("explain", help="short text account: most loaded device and why, transfers, waits, cost")
+    ex.add_argument("plan")
+    ex.add_argument("--device", type=int, default=None, help="explain this device (default: the most loaded)")
+    ex.add_argument("--profile", default=None)
+
+
+def _add_run(sub) -> None:
     r = sub.add_parser("run", help="execute a plan on CPU: in this process, or one process per device (--procs)")
     r.add_argument("plan")
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -192,11 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how messages are matched (multi-process runs): by tag (default, or $ATTNPLAN_MATCH), or "
                         "by posting order alone with one tag, as NCCL matches them")
 
-    sh = sub.add_parser("show", help="text form of a plan's programs")
-    sh.add_argument("plan")
-    sh.add_argument("--device", type=int, default=None)
-    sh.add_argument("--level", default="program", choices=["program", "all"])
 
+def _add_compare_bench(sub) -> None:
+    """compare, bench, calibrate: many strategies, many batches, this machine."""
     cp = sub.add_parser("compare", help="compile several strategies on one batch, side by side")
     _batch_args(cp)
     cp.add_argument("--mask", default="causal")
@@ -224,26 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="profile JSON to write (its folder must exist); - writes it to stdout")
     cal.add_argument("--repeats", type=_int_in(1, limits.MAX_REPEATS), default=5,
                      help=f"repeats of each measurement, 1..{limits.MAX_REPEATS}")
-
-    m = sub.add_parser("mask", help="ASCII picture of a mask over a small batch")
-    m.add_argument("mask")
-    _batch_args(m)
-    m.add_argument("--width", type=_int_in(1, limits.MAX_MASK_WIDTH), default=64,
-                   help=f"columns, 1..{limits.MAX_MASK_WIDTH} (at most one a token)")
-
-    vz = sub.add_parser("viz", help="visual report of a plan: one self-contained HTML file and/or PNG pictures")
-    vz.add_argument("plan")
-    vz.add_argument("-o", "--output", default=None, help="HTML report to write, e.g. report.html; - writes to stdout")
-    vz.add_argument("--png", default=None, metavar="DIR", help="write mask/bars/comm/timeline PNGs into DIR")
-    vz.add_argument("--profile", default=None, help="cost profile for the timeline (default: the plan's)")
-
-    ex = sub.add_parser("explain", help="short text account: most loaded device and why, transfers, waits, cost")
-    ex.add_argument("plan")
-    ex.add_argument("--device", type=int, default=None, help="explain this device (default: the most loaded)")
-    ex.add_argument("--profile", default=None)
-    from .cli_step import add_step_parser
-    add_step_parser(sub)  # plan step ...
-    return ap
 
 
 def _cmd_compile(args) -> int:
