@@ -1,9 +1,18 @@
 """A first cost model and an event simulator of the programs.
 
-Compute: a compute block costs ``launch_s`` plus its FLOPs at
-``peak_flops * efficiency``, with each piece's query rows rounded up to the
-kernel's ``tile_q`` (a 1-row piece costs a whole 128-row tile). Backward
-costs ``bwd_factor`` times forward (flash-attention's 5 matmuls vs 2).
+Compute: a compute block costs its FLOPs at ``peak_flops * efficiency``,
+with each piece's query rows rounded up to the kernel's ``tile_q`` (a 1-row
+piece costs a whole 128-row tile), plus ``launch_s`` per kernel call. What
+one call covers is the profile's ``fused``: ``False``, one call per compute
+block (this project's torch runtime: one kernel call per tile piece);
+``True``, one call per run of consecutive compute blocks of a device that no
+other instruction separates — a kernel over a list of (q range, k range,
+mask) slices, as MagiAttention's Flex-Flash-Attention (Zhao et al. 2025,
+arXiv:2505.13211) and varlen flash-attention for per-document CP
+(TransformerEngine's THD layout, WLB-LLM) run everything a device has
+between two communication points in one launch. The GPU profiles are
+fused; ``cpu-local`` and calibrated profiles are not. Backward costs
+``bwd_factor`` times forward (flash-attention's 5 matmuls vs 2).
 Communication is by message (every block between two devices in one phase
 and stage travels in one, see :mod:`attnplan.ir.program`): a message costs
 ``alpha + bytes / bandwidth``, intra-node or inter-node — one latency per
@@ -77,7 +86,7 @@ class Profile:
     name: str
     peak_flops: float      # dense bf16 matmul peak, FLOP/s
     efficiency: float      # attention kernel's share of peak, in (0, 1]
-    launch_s: float        # per compute-block launch overhead
+    launch_s: float        # per kernel call (see ``fused``)
     tile_q: int            # kernel query tile (rows are rounded up to it)
     intra_bw: float        # bytes/s per direction, same node
     inter_bw: float        # bytes/s per direction, across nodes
@@ -86,6 +95,7 @@ class Profile:
     mem_bw: float          # bytes/s for merges
     bwd_factor: float = 2.5
     memory_bytes: float = 80 * 2**30  # device memory (the step planner's cap, attnplan.step)
+    fused: bool = False    # one launch per run of compute blocks (True) or per compute block (False)
 
     def __post_init__(self):
         """The one place a profile is checked: names, types and ranges (PlanError naming the field)."""
@@ -101,6 +111,9 @@ class Profile:
             raise PlanError(f"{owner}: tile_q must be an integer in 1..{MAX_TOKENS:,} (ir/limits.py), "
                             f"got {_shown(t)}")
         object.__setattr__(self, "tile_q", int(t))
+        if not isinstance(self.fused, (bool, np.bool_)):
+            raise PlanError(f"{owner}: fused must be true or false, got {_shown(self.fused)}")
+        object.__setattr__(self, "fused", bool(self.fused))
 
     @property
     def flops(self) -> float:
@@ -109,11 +122,12 @@ class Profile:
 
 PROFILES = {
     # H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 450 GB/s per direction; 400 Gb/s IB per GPU; 80 GB (the default).
-    "h100": Profile("h100", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 3.0e12),
+    "h100": Profile("h100", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 3.0e12, fused=True),
     # H200: H100 compute, 4.8 TB/s HBM3e, 141 GB.
-    "h200": Profile("h200", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 4.8e12, memory_bytes=141 * 2**30),
+    "h200": Profile("h200", 989e12, 0.6, 5e-6, 128, 370e9, 45e9, 10e-6, 20e-6, 4.8e12, memory_bytes=141 * 2**30,
+                    fused=True),
     # A100 SXM (80 GB): 312 TFLOP/s; NVLink 3 300 GB/s per direction; 200 Gb/s IB per GPU.
-    "a100": Profile("a100", 312e12, 0.6, 5e-6, 128, 240e9, 22e9, 10e-6, 20e-6, 1.8e12),
+    "a100": Profile("a100", 312e12, 0.6, 5e-6, 128, 240e9, 22e9, 10e-6, 20e-6, 1.8e12, fused=True),
     # this 2-core CPU: the CPU flash op reaches 270-670 GFLOP/s bf16; gloo on loopback 1-3 GB/s.
     "cpu-local": Profile("cpu-local", 4e11, 1.0, 50e-6, 1, 2e9, 2e9, 50e-6, 50e-6, 5e9),
 }
@@ -212,13 +226,33 @@ def rounded_pairs(graph, tile_q: int) -> np.ndarray:
     return np.add.reduceat(rounded, graph.tile_ptr[:-1])
 
 
-def cb_seconds(graph, prof: Profile) -> np.ndarray:
-    """Forward seconds of every compute block (tile rounding, launch overhead)."""
+def cb_seconds(graph, prof: Profile, launch: bool = True) -> np.ndarray:
+    """Forward seconds of every compute block: its tile-rounded FLOPs, plus
+    one launch each unless ``launch`` is false (a fused profile charges the
+    launch per run, :func:`run_starts`)."""
     if graph.n_tile == 0:
         return np.zeros(graph.n_cb)
     tile = rounded_pairs(graph, prof.tile_q)
     flops = 4.0 * graph.problem.head_dim * tile[graph.cb_tile] * graph.hg_heads[graph.cb_hg]
-    return prof.launch_s + flops / prof.flops
+    return (prof.launch_s if launch else 0.0) + flops / prof.flops
+
+
+def launches(blocks: np.ndarray, prof: Profile) -> np.ndarray:
+    """A lower bound of the kernel calls of devices that run ``blocks``
+    compute blocks: one each, or, fused, one if any."""
+    blocks = np.asarray(blocks, float)
+    return np.minimum(blocks, 1.0) if prof.fused else blocks
+
+
+def run_starts(op: np.ndarray, dev: np.ndarray) -> np.ndarray:
+    """Of a concatenation of device streams (ops, and each row's device):
+    the compute instructions that begin a run of consecutive compute
+    instructions of one device (one fused kernel call)."""
+    attn = (op == ATTN) | (op == ATTN_BWD)
+    first = attn.copy()
+    if len(op):
+        first[1:] &= ~attn[:-1] | (dev[1:] != dev[:-1])
+    return first
 
 
 def link_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, per_node: int, prof: Profile) -> np.ndarray:
@@ -256,7 +290,7 @@ class _Steps:
     step_first: np.ndarray   # local step -> its first row in the arrays above
 
 
-def _steps(code: tuple, bufbytes: tuple, cost: np.ndarray, mem_bw: float) -> _Steps:
+def _steps(code: tuple, bufbytes: tuple, cost: np.ndarray, mem_bw: float, launch: float = 0.0) -> _Steps:
     n = len(code)
     lens = np.array([len(c) for c in code], np.int64)
     C = np.concatenate(code) if n else np.zeros((0, 6), np.int64)
@@ -266,6 +300,8 @@ def _steps(code: tuple, bufbytes: tuple, cost: np.ndarray, mem_bw: float) -> _St
     attn = (op == ATTN) | (op == ATTN_BWD)
     dur = np.zeros(len(C))
     dur[attn] = cost[C[attn, A1]]
+    if launch:  # fused: one launch per run of compute blocks, charged to its first
+        dur[run_starts(op, dev)] += launch
     other = np.flatnonzero(~comm & ~attn)  # MERGE / ADD stream their bytes
     if len(other):
         boff = np.concatenate([[0], np.cumsum([len(b) for b in bufbytes])]).astype(np.int64)
@@ -431,13 +467,15 @@ def simulate(ir, prof: Profile, record: bool = False) -> dict:
     every wait that left the device idle; times in seconds."""
     prof = get_profile(prof)
     g, prog = ir.graph, ir.program
-    fwd_cost = cb_seconds(g, prof) / DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
+    rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
+    fwd_cost = cb_seconds(g, prof, launch=not prof.fused) / rate
+    run_launch = prof.launch_s / rate if prof.fused else 0.0
     M = prog.messages
     links = (M[:, M_SRC].tolist(), M[:, M_DST].tolist(), message_seconds(ir, prof).tolist())
     result = {}
     for phase, factor in ((FWD, 1.0), (BWD, prof.bwd_factor)):
         st = _steps(prog.code[phase], tuple(b[:, BBYTES] for b in prog.buffers[phase]), fwd_cost * factor,
-                    prof.mem_bw)
+                    prof.mem_bw, run_launch * factor)
         walk = _PhaseWalk(st.steps, *links, record=record, n_local=len(st.step_first))
         walk.run()
         result[PHASES[phase]] = walk.summary(phase, st)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.cost import Profile, cb_seconds, get_profile, simulate
+from ..backends.cost import Profile, cb_seconds, get_profile, launches, simulate
 from ..errors import BatchError, PlanError, StepError
 from ..frontend import MaskProgram, load_mask, lower_batch
 from ..ir.limits import MAX_SAMPLES, MAX_TOKENS
@@ -130,8 +130,9 @@ class AttentionCache:
         """A lower bound of ``strategy``'s predicted attention time, from its placement alone: the busiest
         device's compute (tile rounding and launches included), forward and backward, no communication."""
         ir = self._place(lens, devices, nodes, strategy, heads)
-        per = np.bincount(ir.need_placement().cb_device, weights=cb_seconds(ir.need_graph(), self.profile),
-                          minlength=devices)
+        dev, prof = ir.need_placement().cb_device, self.profile
+        per = np.bincount(dev, weights=cb_seconds(ir.need_graph(), prof, launch=False), minlength=devices)
+        per += prof.launch_s * launches(np.bincount(dev, minlength=devices), prof)
         return float(per.max()) * (1.0 + self.profile.bwd_factor)
 
     def best(self, lens, devices, nodes, candidates, heads, bounds: dict | None = None) -> Lowered:

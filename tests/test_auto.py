@@ -5,6 +5,8 @@ strategy, and everything recorded is a pure function of the inputs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -78,13 +80,13 @@ def auto_kwargs(seqlens, mask="causal"):
                 max_compute_blocks=limits.MAX_COMPUTE_BLOCKS)
 
 
-def exhaustive_choice(seqlens, devices, nodes, mask) -> str:
+def exhaustive_choice(seqlens, devices, nodes, mask, profile="h100") -> str:
     """Compile every strategy, keep the lowest predicted time (ties by name)."""
     pred = {}
     for name in NAMES:
         try:
             plan = attnplan.compile(seqlens=seqlens, mask=mask, devices=devices, nodes=nodes, block_size=256,
-                                    strategy=name, **SHAPE)
+                                    strategy=name, profile=profile, **SHAPE)
         except attnplan.PlanError:
             continue
         pred[name] = simulate(plan.ir, plan.profile)["predicted_s"]
@@ -142,19 +144,23 @@ def test_estimate_is_a_bound_over_exactly_the_plans_transfers(lens, devices, mas
         assert e.compute_s <= e.total_s * (1 + 1e-9) and e.comm_s >= 0
 
 
-def test_estimate_orders_placements_as_the_simulator():
+@pytest.mark.parametrize("fused,within", [(False, 0.75), (True, 0.5)])
+def test_estimate_orders_placements_as_the_simulator(fused, within):
     """On a long-tailed batch on one node the estimate orders zigzag's ring
-    (compute imbalance 2.3), minheap (balanced FLOPs, but many small blocks,
-    each paying the kernel launch) and hypergraph as the simulation does,
-    each within 25 % of its predicted time."""
-    prof = get_profile("h100")
+    (compute imbalance 2.3), minheap (balanced FLOPs, but many small blocks)
+    and hypergraph as the simulation does. Where every block pays a launch
+    (unfused) that dominates and the estimate is within 25 % of the predicted
+    time; fused (a launch per run of blocks) the whole forward is ~0.2 ms and
+    the waits the estimate cannot see (it overlaps a device's compute with
+    its traffic) are a larger share: within 50 %."""
+    prof = dataclasses.replace(get_profile("h100"), fused=fused)
     lens = [60000, 9000, 3000] + [500] * 40
     est, pred = {}, {}
     for name in ("zigzag", "minheap", "hypergraph"):
         ir, full = placed(name, lens, 8, 1, block=2048)
         est[name] = estimate(ir, prof, REGISTRY[name].default_comm).total_s
         pred[name] = simulate(full.ir, prof)["predicted_s"]
-        assert 0.75 * pred[name] <= est[name] <= pred[name]
+        assert within * pred[name] <= est[name] <= pred[name]
     assert sorted(est, key=est.get) == sorted(pred, key=pred.get)
 
 
@@ -201,7 +207,9 @@ def test_a_candidate_that_fails_to_finish_is_reported_and_the_next_one_is_tried(
     its PlanError and the search goes on down the ranking."""
     real = auto.finish
     first = attnplan.compile(strategy="auto", **KW).meta
-    chosen = set(first["candidates"])
+    est = first["estimates"]
+    ranked = sorted(est, key=lambda n: (est[n], n))
+    chosen = set(first["candidates"]) if len(first["candidates"]) < len(est) else {ranked[0]}
 
     def failing(p, kwargs, prof):
         if p.name in chosen:
@@ -213,8 +221,7 @@ def test_a_candidate_that_fails_to_finish_is_reported_and_the_next_one_is_tried(
     m = plan.meta
     for name in chosen:
         assert m["pruned"][name] == f"PlanError: {name}: no room"
-    est = first["estimates"]
-    rest = sorted((n for n in est if n not in chosen), key=lambda n: (est[n], n))
+    rest = [n for n in ranked if n not in chosen]
     assert list(m["candidates"])[0] == rest[0]  # the next best estimate
     cands = m["candidates"]
     assert m["strategy"] == "auto:" + min(cands, key=lambda n: (cands[n], n))
@@ -249,12 +256,13 @@ def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype):
 
 
 def test_per_doc_of_many_short_documents_is_pruned_before_it_is_placed():
-    """Hundreds of short documents on 8 devices: per_doc's launches alone lose,
-    so auto never builds its tiles; the choice is still the exhaustive one."""
+    """Hundreds of short documents on 8 devices, a launch per compute block
+    (the unfused cpu-local profile): per_doc's launches alone lose, so auto
+    never builds its tiles; the choice is still the exhaustive one."""
     lens = [40 + (i * 37) % 200 for i in range(400)] + [6000]
     seen = []
-    plan = attnplan.compile(seqlens=lens, devices=8, block_size=256, strategy="auto",
+    plan = attnplan.compile(seqlens=lens, devices=8, block_size=256, strategy="auto", profile="cpu-local",
                             instruments=[lambda p, ir, dt: seen.append(p.name)], **SHAPE)
     assert "per_doc" not in seen and "per_doc" not in plan.meta["estimates"]
     assert plan.meta["pruned"]["per_doc"].startswith("lower bound") and "before placing" in plan.meta["pruned"]["per_doc"]
-    assert plan.meta["strategy"] == "auto:" + exhaustive_choice(lens, 8, 1, "causal")
+    assert plan.meta["strategy"] == "auto:" + exhaustive_choice(lens, 8, 1, "causal", "cpu-local")

@@ -308,7 +308,8 @@ def test_explain_names_the_most_loaded_device_and_its_document(case):
     # the long document is where the work is: it is named first among the top device's documents
     docs = re.search(r"documents \(\d+ in all\): #(\d+)", text)
     assert docs and int(docs.group(1)) == 0, text
-    assert f"predicted {stats['predicted_s'] * 1e3:.3f} ms" in text
+    t = stats["predicted_s"]
+    assert (f"predicted {t * 1e3:.3f} ms" if t >= 1e-3 else f"predicted {t * 1e6:.1f} µs") in text
     assert f"{stats['predicted_over_lower_bound']:.2f}× the bound" in text
     assert len(text.splitlines()) <= 20
 

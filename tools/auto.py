@@ -11,7 +11,7 @@ than the best simulated plan's whole makespan cannot win.
    with compute where Q lives (zigzag, per_doc, dacp: their pass has
    ``segments(ir)``): :func:`segment_bound` bounds their estimate from the
    segments alone, without tiles — the busiest device's query blocks (one
-   kernel launch each at least) and pairs. Per-document zigzag of hundreds
+   kernel launch each at least, one in all with a fused profile) and pairs. Per-document zigzag of hundreds
    of short documents on 32 devices is the case it is for: building its
    ~10^6 tiles is the slowest thing auto could do, and the launches alone
    already lose.
@@ -20,7 +20,8 @@ than the best simulated plan's whole makespan cannot win.
    ``compile``. The mask is lowered once for all of them.
 2. **Estimate** each placement (:func:`estimate`): per device and phase, its
    compute (:func:`attnplan.backends.cost.cb_seconds`: per-piece tile
-   rounding, launch overhead, the dtype's rate; backward × ``bwd_factor``)
+   rounding, the dtype's rate; backward × ``bwd_factor``; launches as
+   :func:`attnplan.backends.cost.launches` bounds them)
    and the time its send and its receive queue are busy with the transfers
    the placement needs (:func:`attnplan.ir.verify.needed_transfers`, or the
    ring of ``comm{mode=ring}``; ``bytes / bandwidth`` of the link per block,
@@ -74,7 +75,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, simulate
+from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, launches, simulate
 from ..errors import PlanError
 from ..ir.arrays import unique
 from ..ir.graph import q_block_rows
@@ -142,8 +143,10 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p") -> Estimate:
     ``comm{mode=comm_mode}`` would route them."""
     g, pl = ir.need_graph(), ir.need_placement()
     n, per_node = pl.devices, pl.devices_per_node
-    fwd_cb = cb_seconds(g, prof) / DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
-    compute = np.bincount(pl.cb_device, weights=fwd_cb, minlength=n)
+    rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
+    fwd_cb = cb_seconds(g, prof, launch=False) / rate
+    blocks = np.bincount(pl.cb_device, minlength=n)
+    compute = np.bincount(pl.cb_device, weights=fwd_cb, minlength=n) + prof.launch_s * launches(blocks, prof) / rate
     need = needed_transfers(g, pl)
     q, o, dkv = need[X_Q], need[X_O], need[X_KV]
     kv, hop = _kv_route(g, pl, need[X_KV], comm_mode)
@@ -199,7 +202,7 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof) 
     blocks = np.bincount(dev[qb[order][last]], weights=per_row[order][last], minlength=n) * g.n_hg
     p = tiled.problem
     rate = DTYPE_EFFICIENCY.get(p.dtype, 1.0)
-    fwd = (prof.launch_s * blocks + 4.0 * p.head_dim * p.heads * pairs / prof.flops) / rate
+    fwd = (prof.launch_s * launches(blocks, prof) + 4.0 * p.head_dim * p.heads * pairs / prof.flops) / rate
     return float(fwd.max()) * (1.0 + prof.bwd_factor) if n else 0.0
 
 

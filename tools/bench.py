@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 
 from ..errors import BatchError, PlanError
@@ -115,6 +116,34 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def best_per_batch(rows: list[dict]) -> list[dict]:
+    """Per (mask, devices): each batch's best strategy by predicted / lower
+    bound, the median of those bests and how often each strategy won."""
+    out = []
+    for mask, n in sorted({(r["mask"], r["devices"]) for r in rows}):
+        best: dict = {}
+        for r in rows:
+            if (r["mask"], r["devices"]) == (mask, n) and "error" not in r:
+                b = best.get(r["batch"])
+                if b is None or (r["predicted_over_lower_bound"], r["strategy"]) < b:
+                    best[r["batch"]] = (r["predicted_over_lower_bound"], r["strategy"])
+        if best:
+            wins = Counter(s for _, s in best.values())
+            out.append({"mask": mask, "devices": n, "batches": len(best),
+                        "pred_over_lb_median": statistics.median(v for v, _ in best.values()),
+                        "pred_over_lb_worst": max(v for v, _ in best.values()), "wins": dict(sorted(wins.items()))})
+    return out
+
+
+def format_best(best: list[dict]) -> str:
+    lines = [f"{'mask':<24} {'dev':>4} best of all, per batch: {'n':>3} {'pred/LB med':>11} {'worst':>7}  wins"]
+    for b in best:
+        wins = ", ".join(f"{k} {v}" for k, v in b["wins"].items())
+        lines.append(f"{b['mask']:<24} {b['devices']:>4} {'':<23} {b['batches']:>3} {b['pred_over_lb_median']:>11.2f} "
+                     f"{b['pred_over_lb_worst']:>7.2f}  {wins}")
+    return "\n".join(lines)
+
+
 def format_summary(summary: list[dict]) -> str:
     lines = [f"{'mask':<24} {'dev':>4} {'strategy':<11} {'n':>3} {'imb med':>7} {'imb max':>7} {'<=1.05':>6} "
              f"{'comm/zz':>7} {'pred/LB':>7} {'plan s':>7} {'plan max':>8}"]
@@ -188,12 +217,13 @@ def bench(batches_path: str, masks, devices, strategies, out_dir, names=None, **
     out = ensure_out_dir(out_dir)
     batches = load_batches(batches_path, names)
     rows = run_bench(batches, masks, devices, strategies, **kw)
-    summary = summarize(rows)
-    text = format_summary(summary)
+    summary, best = summarize(rows), best_per_batch(rows)
+    text = format_summary(summary) + "\n\n" + format_best(best)
     try:
-        (out / "bench.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        (out / "bench.json").write_text(json.dumps({"rows": rows, "summary": summary, "best": best}, indent=1))
         (out / "summary.txt").write_text(text + "\n")
         plots = plot(rows, out)
     except OSError as e:
         raise PlanError(f"bench: cannot write into {out}: {e.strerror or e}") from None
-    return {"rows": rows, "summary": summary, "text": text, "files": [out / "bench.json", out / "summary.txt", *plots]}
+    return {"rows": rows, "summary": summary, "best": best, "text": text,
+            "files": [out / "bench.json", out / "summary.txt", *plots]}

@@ -37,8 +37,9 @@ Choices the paper and the survey leave open (or that differ), made here:
   counted as if not overlapped. ``v_d`` is the profile's intra-node
   bandwidth for a group inside one node, its inter-node bandwidth otherwise.
   The kernels' launch overhead (:func:`launch_seconds`, the cost model's
-  ``launch_s`` per token-block pair) is added: Ulysses runs every block pair
-  on every device of its group, which the s² term alone misses.
+  ``launch_s`` per token-block pair) is added for an unfused profile:
+  Ulysses runs every block pair on every device of its group, which the s²
+  term alone misses; a fused profile launches a run of blocks once.
 * ``T`` (tokens per device) is ``max_tokens`` or the memory model's bound
   (:func:`common.tokens_per_device`); a group of ``d`` devices holds its
   sequences' tokens evenly (Ulysses and zigzag split them evenly).
@@ -133,8 +134,12 @@ def launch_seconds(problem: StepProblem, d: int) -> np.ndarray:
     recomputed forward) and layer. Ulysses runs every block pair of the document on every device (for its
     heads), cut again at the ``d − 1`` boundaries of the even token split; a ring (``zigzag``) group
     spreads the pairs of the ``2·d`` chunks over its devices. Masks sparser than causal have
-    proportionally fewer pairs."""
+    proportionally fewer pairs. With a fused profile (one launch per run of compute blocks,
+    :mod:`attnplan.backends.cost`) a group's documents share a handful of calls per layer and phase:
+    microseconds against a step of seconds, taken as zero."""
     s = problem.seqlens.astype(float)
+    if problem.profile.fused:
+        return np.zeros(len(s))
     nb = np.ceil(s / problem.block_size)
     causal = s * (s + 1) / 2
     ulysses = uses_ulysses(problem, d)
