@@ -261,7 +261,7 @@ BAD_VALUES = [
     ("efficiency", 0), ("efficiency", 1.5), ("launch_s", -5e-6), ("tile_q", 0), ("tile_q", 1.5), ("tile_q", -128),
     ("tile_q", "128"), ("tile_q", 2 ** 70), ("intra_bw", 0), ("inter_bw", -45e9), ("intra_alpha", -1e-5),
     ("inter_alpha", [1]), ("mem_bw", {"x": 1}), ("bwd_factor", 0), ("bwd_factor", -2.5), ("name", ""),
-    ("name", 7),
+    ("name", 7), ("fused", 1), ("fused", "true"), ("fused", None),
 ]
 
 
