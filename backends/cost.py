@@ -60,6 +60,7 @@ _REAL_FIELDS = {
     "inter_alpha": (0.0, True), "mem_bw": (1.0, True), "bwd_factor": (0.0, False), "memory_bytes": (1.0, True),
 }
 _MAX_REAL = 1e30
+LINK_MODES = ("queue", "fair")
 
 
 def _shown(v) -> str:
@@ -96,6 +97,7 @@ class Profile:
     bwd_factor: float = 2.5
     memory_bytes: float = 80 * 2**30  # device memory (the step planner's cap, attnplan.step)
     fused: bool = False    # one launch per run of compute blocks (True) or per compute block (False)
+    links: str = "queue"   # "queue": a message has its link alone, FIFO; "fair": max-min shared (backends/links.py)
 
     def __post_init__(self):
         """The one place a profile is checked: names, types and ranges (PlanError naming the field)."""
@@ -114,6 +116,8 @@ class Profile:
         if not isinstance(self.fused, (bool, np.bool_)):
             raise PlanError(f"{owner}: fused must be true or false, got {_shown(self.fused)}")
         object.__setattr__(self, "fused", bool(self.fused))
+        if self.links not in LINK_MODES:
+            raise PlanError(f"{owner}: links must be one of {', '.join(LINK_MODES)}, got {_shown(self.links)}")
 
     @property
     def flops(self) -> float:
@@ -476,7 +480,12 @@ def simulate(ir, prof: Profile, record: bool = False) -> dict:
     for phase, factor in ((FWD, 1.0), (BWD, prof.bwd_factor)):
         st = _steps(prog.code[phase], tuple(b[:, BBYTES] for b in prog.buffers[phase]), fwd_cost * factor,
                     prof.mem_bw, run_launch * factor)
-        walk = _PhaseWalk(st.steps, *links, record=record, n_local=len(st.step_first))
+        if prof.links == "fair":
+            from .links import fair_walk
+            walk = fair_walk(st.steps, links[0], links[1], M[:, M_BYTES], ir.placement.devices_per_node, prof,
+                             record, len(st.step_first))
+        else:
+            walk = _PhaseWalk(st.steps, *links, record=record, n_local=len(st.step_first))
         walk.run()
         result[PHASES[phase]] = walk.summary(phase, st)
     result["predicted_s"] = result["fwd"]["makespan_s"] + result["bwd"]["makespan_s"]
