@@ -480,6 +480,7 @@ def simulate(ir, prof: Profile, record: bool = False) -> dict:
     for phase, factor in ((FWD, 1.0), (BWD, prof.bwd_factor)):
         st = _steps(prog.code[phase], tuple(b[:, BBYTES] for b in prog.buffers[phase]), fwd_cost * factor,
                     prof.mem_bw, run_launch * factor)
+        walk: _PhaseWalk
         if prof.links == "fair":
             from .links import fair_walk
             walk = fair_walk(st.steps, links[0], links[1], M[:, M_BYTES], ir.placement.devices_per_node, prof,

@@ -131,8 +131,8 @@ class AttentionCache:
         device's compute (tile rounding and launches included), forward and backward, no communication."""
         ir = self._place(lens, devices, nodes, strategy, heads)
         dev, prof = ir.need_placement().cb_device, self.profile
-        per = np.bincount(dev, weights=cb_seconds(ir.need_graph(), prof, launch=False), minlength=devices)
-        per += prof.launch_s * launches(np.bincount(dev, minlength=devices), prof)
+        compute = np.bincount(dev, weights=cb_seconds(ir.need_graph(), prof, launch=False), minlength=devices)
+        per = compute + prof.launch_s * launches(np.bincount(dev, minlength=devices), prof).astype(np.float64)
         return float(per.max()) * (1.0 + self.profile.bwd_factor)
 
     def best(self, lens, devices, nodes, candidates, heads, bounds: dict | None = None) -> Lowered:
