@@ -67,7 +67,8 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     return [
         ("devices × nodes", f"{s['devices']} on {s['nodes']} node(s)"),
         ("tokens / samples", f"{s['tokens']:,} / {s['samples']:,}"),
-        ("heads q/kv × dim", f"{s['heads']}/{s['kv_heads']} × {s['head_dim']} ({s['dtype']})"),
+        ("heads q/kv × dim", f"{s['heads']}/{s['kv_heads']} × {s['head_dim']} ({s['dtype']})"
+                             + (f", kv heads copied ×{s['kv_copies']}" if s.get("kv_copies", 1) > 1 else "")),
         ("pairs", f"{s['pairs']:,}"),
         ("flops fwd", f"{s['flops_fwd']:.3e}"),
         ("compute imbalance", f"{s['compute_imbalance']:.3f}"),

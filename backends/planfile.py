@@ -91,7 +91,8 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
                     "segments": [list(map(list, s_)) if s_ is not None else None for s_ in p.segments]
                     if p.segments is not None else None},
         "devices": ir.devices, "nodes": ir.nodes, "memory_cap": ir.memory_cap,
-        "graph": {f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
+        "graph": {**{f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
+                  **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {})},  # absent: 1 (files of before stay byte-equal)
         "placement": {"home": _arr(pl.home), "cb_device": _arr(pl.cb_device)},
         "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap},
         "program": {"transfers": _arr(schema.transfers_body(g, prog.transfers)),

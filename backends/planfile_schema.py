@@ -203,16 +203,27 @@ def problem(pb) -> Problem:
                    mask=string(pb, "mask", "problem"), segments=_segments(pb, lens), dtype=dtype)
 
 
-def _graph_blocks(gb, p: Problem) -> dict:
-    """Token blocks and head groups."""
-    T = p.tokens
+def _kv_rep(gb, p: Problem) -> int:
+    """KV-head replication (absent: 1); the query heads must split evenly over the copies."""
+    if not isinstance(gb, dict) or "kv_rep" not in gb:
+        return 1
+    rep = integer(gb, "kv_rep", "graph", 1, L.MAX_HEADS, "MAX_HEADS")
+    if p.heads % (p.kv_heads * rep):
+        fail(f"graph.kv_rep = {rep}: problem.heads ({p.heads}) is not a multiple of kv_heads x kv_rep "
+             f"({p.kv_heads * rep})")
+    return rep
+
+
+def _graph_blocks(gb, p: Problem, rep: int) -> dict:
+    """Token blocks and head groups (over ``kv_heads · rep`` virtual kv heads)."""
+    T, kv = p.tokens, p.kv_heads * rep
     a = {"tb_start": array(gb, "tb_start", "graph", max_len=T)}
     a["tb_end"] = array(gb, "tb_end", "graph", length=len(a["tb_start"]))
-    a["hg_start"] = array(gb, "hg_start", "graph", max_len=p.kv_heads)
+    a["hg_start"] = array(gb, "hg_start", "graph", max_len=kv)
     a["hg_end"] = array(gb, "hg_end", "graph", length=len(a["hg_start"]))
     if not len(a["tb_start"]) or not len(a["hg_start"]):
         fail("graph has no token blocks or no head groups")
-    for f, hi in (("tb_start", T), ("tb_end", T), ("hg_start", p.kv_heads), ("hg_end", p.kv_heads)):
+    for f, hi in (("tb_start", T), ("tb_end", T), ("hg_start", kv), ("hg_end", kv)):
         in_range(a[f], 0, hi, f"graph.{f}")
     return a
 
@@ -239,9 +250,10 @@ def _graph_tiles(gb, p: Problem, n_tb: int, n_hg: int) -> dict:
 
 
 def graph(gb, p: Problem) -> BlockGraph:
-    blocks = _graph_blocks(gb, p)
+    rep = _kv_rep(gb, p)
+    blocks = _graph_blocks(gb, p, rep)
     tiles = _graph_tiles(gb, p, len(blocks["tb_start"]), len(blocks["hg_start"]))
-    return BlockGraph(problem=p, **blocks, **tiles)
+    return BlockGraph(problem=p, **blocks, **tiles, kv_rep=rep)
 
 
 def devices_nodes(body) -> tuple[int, int]:

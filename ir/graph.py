@@ -5,7 +5,11 @@
   tokens from each sample start (no padding: a short last block is fine);
   placement passes may add cuts.
 * head groups ``hg``: kv-head ranges ``[hg_start, hg_end)``; a group's query
-  heads are ``[hg_start * group, hg_end * group)``.
+  heads are ``[hg_start * group, hg_end * group)``. With ``kv_rep = r > 1``
+  (KV-head replication, as yunchang's Ulysses does beyond the kv heads) the
+  ranges count *virtual* kv heads ``0 .. kv_heads·r``: virtual head ``j`` is a
+  copy of kv head ``j // r`` serving ``group = heads / (kv_heads·r)`` query
+  heads, so a kv head's query heads can be split over ``r`` head groups.
 * data blocks are implicit: Q, KV and O of one (token block, head group).
 * tiles: (q block, kv block) pairs with at least one allowed pair; each owns
   the mask pieces clipped to its rectangle (CSR: ``tile_ptr`` into ``pieces``),
@@ -54,6 +58,7 @@ class BlockGraph:
     tile_pairs: np.ndarray
     cb_tile: np.ndarray
     cb_hg: np.ndarray
+    kv_rep: int = 1  # copies of every kv head (head groups count kv_heads * kv_rep virtual kv heads)
 
     def __post_init__(self):
         for f in self.__dataclass_fields__:
@@ -84,9 +89,19 @@ class BlockGraph:
         return self.tb_end - self.tb_start
 
     @property
+    def kv_virtual(self) -> int:
+        """The kv heads head groups split: ``kv_heads`` copied ``kv_rep`` times."""
+        return self.problem.kv_heads * self.kv_rep
+
+    @property
+    def group(self) -> int:
+        """Query heads per (virtual) kv head."""
+        return self.problem.heads // self.kv_virtual
+
+    @property
     def hg_heads(self) -> np.ndarray:
         """Query heads per head group."""
-        return (self.hg_end - self.hg_start) * self.problem.group
+        return (self.hg_end - self.hg_start) * self.group
 
     @property
     def cb_q(self) -> np.ndarray:
@@ -141,8 +156,19 @@ def q_block_rows(P: np.ndarray, starts: np.ndarray, ends: np.ndarray):
     return rows[keep], src[keep], qb[keep]
 
 
-def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> BlockGraph:
-    """Tile ``problem`` at the token positions ``cuts`` (0 and T are added).
+def check_kv_rep(problem: Problem, kv_rep: int) -> None:
+    """KV-head replication ``kv_rep`` must leave every virtual kv head at least one
+    query head: ``heads`` a multiple of ``kv_heads · kv_rep``; else PlanError."""
+    if not isinstance(kv_rep, int) or isinstance(kv_rep, bool) or kv_rep < 1:
+        raise PlanError(f"kv_rep must be an integer >= 1, got {kv_rep!r}")
+    if problem.heads % (problem.kv_heads * kv_rep):
+        raise PlanError(f"{problem.kv_heads} kv heads copied {kv_rep} times: {problem.heads} query heads are not a "
+                        f"multiple of {problem.kv_heads * kv_rep} (each copy serves whole query heads)")
+
+
+def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_rep: int = 1) -> BlockGraph:
+    """Tile ``problem`` at the token positions ``cuts`` (0 and T are added),
+    with ``n_head_groups`` head groups over ``kv_heads · kv_rep`` (virtual) kv heads.
 
     Vectorized: mask pieces are expanded over the q blocks they touch, then
     over the kv blocks each clipped piece touches, clipped, tightened and
@@ -171,14 +197,18 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1) -> B
     tile_key = key[tile_ptr[:-1]]
     counts = piece_counts(rows)
     tile_pairs = np.add.reduceat(counts, tile_ptr[:-1]) if len(counts) else counts
-    hs, he = head_groups(problem.kv_heads, n_head_groups)
+    check_kv_rep(problem, kv_rep)
+    if not 1 <= n_head_groups <= problem.kv_heads * kv_rep:
+        raise PlanError(f"{n_head_groups} head groups over {problem.kv_heads * kv_rep} kv heads: between 1 and "
+                        f"the kv heads")
+    hs, he = head_groups(problem.kv_heads * kv_rep, n_head_groups)
     n_tile = len(tile_key)
     return BlockGraph(
         problem=problem, tb_start=starts.copy(), tb_end=ends.copy(), hg_start=hs, hg_end=he,
         tile_q=tile_key // len(starts), tile_k=tile_key % len(starts), tile_ptr=tile_ptr,
         pieces=np.ascontiguousarray(rows), piece_src=src, tile_pairs=tile_pairs.astype(np.int64),
         cb_tile=np.repeat(np.arange(n_tile, dtype=np.int64), n_head_groups),
-        cb_hg=np.tile(np.arange(n_head_groups, dtype=np.int64), n_tile),
+        cb_hg=np.tile(np.arange(n_head_groups, dtype=np.int64), n_tile), kv_rep=kv_rep,
     )
 
 

@@ -94,6 +94,7 @@ def _check_segments(starts: np.ndarray, devices: np.ndarray, tokens: int, n: int
 
 
 def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups: int | None = None,
+                   kv_rep: int | None = None,
                    compute: Callable[[BlockGraph, np.ndarray], np.ndarray] | None = None) -> PlanIR:
     """The placement tail of a cut-based strategy.
 
@@ -102,7 +103,8 @@ def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups:
     is homed on ``devices[i]``. Steps:
 
     1. re-tile ``ir.graph`` at its own cuts plus ``starts`` and ``extra_cuts``,
-       with ``head_groups`` head groups (default: the graph's);
+       with ``head_groups`` head groups over ``kv_rep`` copies of the kv heads
+       (default: the graph's);
     2. home every token block on its segment's device (:func:`segment_home`);
     3. place every compute block: ``compute(graph, home)``, by default where
        its Q lives (:func:`q_home`);
@@ -116,7 +118,8 @@ def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups:
     cuts = [ir.graph.tb_start, starts]
     if extra_cuts is not None:
         cuts.append(np.asarray(extra_cuts, np.int64))
-    g = build_graph(ir.problem, np.concatenate(cuts), ir.graph.n_hg if head_groups is None else head_groups)
+    g = build_graph(ir.problem, np.concatenate(cuts), ir.graph.n_hg if head_groups is None else head_groups,
+                    ir.graph.kv_rep if kv_rep is None else kv_rep)
     home = segment_home(g.tb_start, starts, devices)
     cb_device = np.array((compute or q_home)(g, home), np.int64)  # a fresh array the Placement owns
     if cb_device.shape != (g.n_cb,):

@@ -158,8 +158,8 @@ def buffer_bytes(g, phase: int, kind: int, tb, hg) -> np.ndarray:
     backward Q bundle is (q, out, dout, lse)."""
     p = g.problem
     rows = g.tb_len[tb]
-    hkv = g.hg_end[hg] - g.hg_start[hg]
-    hq = hkv * p.group
+    hkv = g.hg_end[hg] - g.hg_start[hg]  # (virtual) kv heads: copies travel and are stored as such
+    hq = hkv * g.group
     d, es = p.head_dim, p.dtype_bytes
     if kind == B_Q:
         per = hq * d * es if phase == FWD else hq * (3 * d * es + 4)

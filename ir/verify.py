@@ -103,9 +103,12 @@ def _check_blocks(g: BlockGraph) -> None:
     if not g.n_tb or g.tb_start[0] != 0 or g.tb_end[-1] != p.tokens \
             or not np.array_equal(g.tb_start[1:], g.tb_end[:-1]) or (g.tb_len <= 0).any():
         _fail(2, "token blocks do not partition [0, T)")
-    if not g.n_hg or g.hg_start[0] != 0 or g.hg_end[-1] != p.kv_heads \
+    rep = g.kv_rep
+    if not isinstance(rep, int) or isinstance(rep, bool) or rep < 1 or p.heads % (p.kv_heads * rep):
+        _fail(2, f"kv_rep {rep!r}: {p.heads} query heads are not a multiple of {p.kv_heads} kv heads x kv_rep")
+    if not g.n_hg or g.hg_start[0] != 0 or g.hg_end[-1] != p.kv_heads * rep \
             or not np.array_equal(g.hg_start[1:], g.hg_end[:-1]) or (g.hg_end <= g.hg_start).any():
-        _fail(2, "head groups do not partition the kv heads")
+        _fail(2, "head groups do not partition the kv heads" + (f" (x kv_rep {rep})" if rep > 1 else ""))
 
 
 def _check_tile_index(g: BlockGraph) -> None:

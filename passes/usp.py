@@ -20,8 +20,10 @@ sends one message per peer).
 
 Choices the papers leave open: the ring's zigzag split is over ranks (not
 devices), inside a rank the chunk is split contiguously; ``U`` must divide
-``kv_heads`` and ``N`` (a kv head is never split: KV-head replication for
-``U > kv_heads`` is not modelled). ``U = 1`` is zigzag with p2p transfers,
+``N``; a ``U`` that does not divide ``kv_heads`` (given explicitly; the
+default never needs it) copies every kv head as ``ulysses`` does beyond the
+kv heads (``kv_copies``: ``lcm(kv_heads, U)`` must divide the query heads).
+``U = 1`` is zigzag with p2p transfers,
 ``U = N`` is ``ulysses``. Unsupported shapes raise :class:`PlanError`
 saying "not supported".
 """
@@ -36,6 +38,7 @@ from ..errors import PlanError
 from ..ir.module import PlanIR
 from ..ir.placement import chunk_bounds, place_segments, zigzag_device
 from .base import Pass, register
+from .ulysses import kv_copies
 
 
 def default_degree(devices: int, per_node: int, kv_heads: int) -> int:
@@ -65,20 +68,22 @@ class Usp(Pass):
     strategy = True
     ulysses: int = 0  # Ulysses degree U (devices per group); 0: the most of one node dividing kv_heads and N
 
-    def degree(self, ir: PlanIR) -> int:
-        n, kv = ir.devices, ir.problem.kv_heads
+    def degree(self, ir: PlanIR) -> tuple[int, int]:
+        """The Ulysses degree ``U`` and the copies of every kv head it needs."""
+        n, kv, heads = ir.devices, ir.problem.kv_heads, ir.problem.heads
         if self.ulysses == 0:
-            return default_degree(n, max(1, n // ir.nodes), kv)
+            return default_degree(n, max(1, n // ir.nodes), kv), 1
         u = self.ulysses
-        if u < 1 or n % u or kv % u:
-            raise PlanError(f"usp: ulysses={u} is not supported with {n} devices and {kv} kv heads: the Ulysses "
-                            f"degree must divide both (a kv head is never split)")
-        return u
+        copies = kv_copies(kv, heads, u) if u >= 1 else None
+        if u < 1 or n % u or copies is None:
+            raise PlanError(f"usp: ulysses={u} is not supported with {n} devices and {heads}/{kv} heads: the "
+                            f"Ulysses degree must divide the devices, and lcm(kv_heads, U) the query heads")
+        return u, copies
 
     def apply(self, ir: PlanIR) -> PlanIR:
         # no ``segments``: auto's segment bound assumes compute where Q lives
-        u = self.degree(ir)
+        u, rep = self.degree(ir)
         starts, devices = usp_segments(ir.problem.tokens, ir.devices // u, u)
         # compute block (tile, hg) on device hg of the rank that holds its Q block
-        return place_segments(ir, starts, devices, head_groups=u,
+        return place_segments(ir, starts, devices, head_groups=u, kv_rep=rep,
                               compute=lambda g, home: (home[g.cb_q] // u) * u + g.cb_hg)

@@ -62,7 +62,7 @@ from ..ir.interp import message_key
 from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD, PHASES
 from . import layout
-from .executor import check_inputs, resolve_scale
+from .executor import check_inputs, expand_kv, resolve_scale
 from .kernels import settle_rows_without_mass
 from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, pack
 from .transport import TransportError
@@ -235,7 +235,7 @@ def _fingerprint_parts(ir: PlanIR):
     p, g, prog, pl = ir.problem, ir.graph, ir.program, ir.placement
     if g is None or prog is None or pl is None:
         raise PlanError("this PlanIR has no per-device programs yet: run the pipeline through emit first")
-    yield "shape", np.array([ir.devices, p.heads, p.kv_heads, p.head_dim, prog.devices], np.int64)
+    yield "shape", np.array([ir.devices, p.heads, p.kv_heads, p.head_dim, prog.devices, g.kv_rep], np.int64)
     yield "seqlens", p.seqlens
     yield "pieces", p.pieces.a
     for name in ("tb_start", "tb_end", "hg_start", "hg_end", "tile_ptr", "pieces", "cb_tile", "cb_q", "cb_k"):
@@ -415,7 +415,7 @@ def attention(q, k, v, plan_ir, group=None, *, softmax_scale: float | None = Non
     match = resolve_match(match)
     ir, info, rank, timeout = _prepare(plan_ir, q, k, v, group, timeout)
     gen = 0 if info is None else _next_generation(ir, info)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = q.contiguous(), expand_kv(ir, k.contiguous()), expand_kv(ir, v.contiguous())
     return DistAttention.apply(q, k, v, _Call(ir, info, rank, gen, scale, timeout, timings, match=match))
 
 
@@ -425,6 +425,7 @@ def replay_comm(plan_ir, q, k, v, group=None, timeout: float | None = None) -> d
     phase: the plan's transfer time when nothing hides it."""
     import time
     ir, info, rank, timeout = _prepare(plan_ir, q, k, v, group, timeout)
+    k, v = expand_kv(ir, k), expand_kv(ir, v)
     res = {}
     for phase in (FWD, BWD):
         call = _Call(ir, info, rank, 0 if info is None else _next_generation(ir, info), 1.0, timeout, None,

@@ -108,6 +108,15 @@ def check_inputs(plan_ir, q, k, v, tokens: int | None = None, where: str = "") -
         raise ShapeError(f"{where}q, k, v are on {q.device}; the runtime's kernels run on CPU tensors")
 
 
+def expand_kv(plan_ir, t: torch.Tensor) -> torch.Tensor:
+    """``k`` or ``v`` ``[T, kv_heads, D]`` as the plan's head groups see it:
+    with KV-head replication (``graph.kv_rep = r > 1``) every kv head copied
+    ``r`` times, ``[T, kv_heads·r, D]`` (copy ``j`` is head ``j // r``);
+    differentiable, so the copies' gradients sum back into the head."""
+    r = plan_ir.graph.kv_rep
+    return t if r == 1 else t.repeat_interleave(r, dim=1)
+
+
 def resolve_scale(softmax_scale, head_dim: int) -> float:
     """The softmax scale: ``softmax_scale`` if given (a finite number > 0,
     else :class:`ShapeError`), else 1/sqrt(head_dim)."""
@@ -173,4 +182,5 @@ def execute(plan_ir, q, k, v, softmax_scale: float | None = None, timings: Timin
     caller's layout); bad inputs raise :class:`ShapeError`."""
     check_inputs(plan_ir, q, k, v)
     scale = resolve_scale(softmax_scale, plan_ir.problem.head_dim)
-    return PlanAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan_ir, scale, timings)
+    k, v = expand_kv(plan_ir, k.contiguous()), expand_kv(plan_ir, v.contiguous())
+    return PlanAttention.apply(q.contiguous(), k, v, plan_ir, scale, timings)

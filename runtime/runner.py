@@ -89,7 +89,7 @@ def buffer_shapes(graph, phase: int, kind: int, tb: int, hg: int, dtype: torch.d
     p = graph.problem
     rows = int(graph.tb_end[tb] - graph.tb_start[tb])
     hkv = int(graph.hg_end[hg] - graph.hg_start[hg])
-    hq, d = hkv * p.group, p.head_dim
+    hq, d = hkv * graph.group, p.head_dim
     acc = acc_dtype(dtype)
     if kind == B_Q:
         if phase == FWD:
@@ -152,7 +152,7 @@ def home_bindings(graph, program, phase: int, device: int, tensors: dict, row0) 
     ``row0[tb]`` is the row where token block ``tb`` starts in them (its global
     start for global tensors, its local offset for a rank's local tensors)."""
     t = tensors
-    g = graph.problem.group
+    g = graph.group  # the tensors' kv heads are the virtual ones (see expand_kv)
     hs, he = graph.hg_start.tolist(), graph.hg_end.tolist()
     st: dict[int, tuple] = {}
     for b, (kind, tb, hg, role) in enumerate(program.buffers[phase][device][:, [BK, BTB, BHG, BROLE]].tolist()):

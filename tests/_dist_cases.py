@@ -29,15 +29,17 @@ def _compile(case, devices, strategy, **over):
     return attnplan.compile(**kw)
 
 
-def equals_in_process(rank, world, cases, strategies, match="tag"):
+def equals_in_process(rank, world, cases, strategies, match="tag", over=None):
     """Every (case index, strategy): the local out/dq/dk/dv and the gathered
-    global ones equal the in-process executor's bit for bit. Returns the failures."""
-    bad, ran = [], 0
+    global ones equal the in-process executor's bit for bit (``over``: compile
+    options that replace the defaults, e.g. ``kv_heads``). Returns the failures
+    and how many ran (with the KV-head copies of each plan that ran)."""
+    bad, ran, reps = [], 0, []
     for ci in cases:
         case = CASES[ci]
         for s in strategies:
             try:
-                plan = _compile(case, world, s)
+                plan = _compile(case, world, s, **(over or {}))
             except attnplan.PlanError as e:
                 if "not supported" in str(e):
                     continue
@@ -57,7 +59,8 @@ def equals_in_process(rank, world, cases, strategies, match="tag"):
                     if not torch.equal(g, w):
                         bad.append(f"case {ci} {s}: gathered {name} differs")
             ran += 1
-    return {"bad": bad, "ran": ran}
+            reps.append(plan.ir.graph.kv_rep)
+    return {"bad": bad, "ran": ran, "kv_rep": reps}
 
 
 def autograd_training_step(rank, world):

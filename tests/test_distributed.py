@@ -106,6 +106,21 @@ def test_messages_matched_by_posting_order_alone():
     assert [b for r in res for b in r["bad"]] == []
 
 
+def test_kv_head_copies_run_on_processes():
+    """Ulysses beyond the kv heads (4 query heads, 1 kv head on 2 and 4 ranks:
+    every kv head copied 2 and 4 times) and usp with a Ulysses degree above
+    the kv heads: the copies travel as their own blocks, their gradients sum
+    back into the one kv head, and everything equals the in-process executor
+    bit for bit, with order-only matching."""
+    for world in (2, 4):
+        res = ok(run_local(f"{CASES}:equals_in_process", world,
+                           ([1, 3], ["ulysses", "tile{block={block}},usp{ulysses=2},comm,overlap,emit"], "order",
+                            {"kv_heads": 1}), timeout=240))
+        assert all(r["ran"] == 4 for r in res)
+        assert res[0]["kv_rep"] == [world, 2] * 2
+        assert [b for r in res for b in r["bad"]] == []
+
+
 def test_match_mode_is_validated():
     """A bad mode is one typed error (the verifier's posting-order check is
     tested in tests/test_verify.py)."""

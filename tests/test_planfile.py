@@ -67,7 +67,9 @@ def test_round_trip(plan, tmp_path):
     assert (p.heads, p.kv_heads, p.head_dim, p.mask, p.dtype, p.segments) == \
            (q.heads, q.kv_heads, q.head_dim, q.mask, q.dtype, q.segments)
     for f in BlockGraph.__dataclass_fields__:
-        if f != "problem":
+        if f == "kv_rep":
+            assert back.ir.graph.kv_rep == plan.ir.graph.kv_rep
+        elif f != "problem":
             a, b = getattr(plan.ir.graph, f), getattr(back.ir.graph, f)
             assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b), f
     assert np.array_equal(plan.ir.placement.home, back.ir.placement.home)
@@ -80,6 +82,26 @@ def test_round_trip(plan, tmp_path):
     assert json.dumps(dict(back.stats(), plan_s=None)) == json.dumps(dict(plan.stats(), plan_s=None))
     assert back.ir.to_text() == plan.ir.to_text()
     assert back.to_bytes() == plan.to_bytes()
+
+
+def test_round_trip_kv_head_copies():
+    """A plan that copies kv heads (ulysses beyond the kv heads) keeps them: the
+    file says ``graph.kv_rep``; plans without copies do not write the key."""
+    p = attnplan.compile(seqlens=[60, 20], devices=4, heads=4, kv_heads=1, head_dim=8, block_size=16,
+                         strategy="ulysses")
+    body = _body(p.to_bytes())
+    assert body["graph"]["kv_rep"] == 4 and "kv_rep" not in _body(attnplan.compile(**KW).to_bytes())["graph"]
+    back = _load(p.to_bytes())
+    assert back.ir.graph.kv_rep == 4 and back.to_bytes() == p.to_bytes()
+    assert back.stats()["comm_bytes_total"] == p.stats()["comm_bytes_total"]
+
+
+def test_kv_rep_that_does_not_match_the_head_groups_does_not_verify(data):
+    body = _body(data)
+    body["graph"]["kv_rep"] = 2  # 4 query heads over 2 x 2 copies is a valid shape, but hg_end says 2 kv heads
+    with pytest.raises(PlanFileError, match=r"plan does not verify: invariant 2: head groups do not partition "
+                                            r"the kv heads \(x kv_rep 2\)"):
+        _load(_repack(body))
 
 
 def test_round_trip_segments_and_memory_cap():
@@ -574,6 +596,9 @@ CRAFTED = [
      r"program\.code\[1\]\[0\] instruction \d+: merge is not a bwd instruction"),
     (("memory_cap",), 1 << 63, r"memory_cap must be null or a positive integer"),
     (("extra",), 1, r"unknown body keys \['extra'\]"),
+    (("graph", "kv_rep"), 3, r"graph\.kv_rep = 3: problem\.heads \(4\) is not a multiple of kv_heads x kv_rep \(6\)"),
+    (("graph", "kv_rep"), "2", r"graph\.kv_rep must be an integer"),
+    (("graph", "kv_rep"), 0, r"graph\.kv_rep = 0 is outside \[1, 4096\]"),
 ]
 
 

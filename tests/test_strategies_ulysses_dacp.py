@@ -44,16 +44,21 @@ def xfer_set(ir, kind):
 # ulysses ---------------------------------------------------------------------------------------------------------
 
 @settings(max_examples=40)
-@given(LENS, st.sampled_from(MASKS), st.sampled_from([(1, 4), (2, 4), (4, 4), (2, 2), (3, 6), (8, 8)]),
+@given(LENS, st.sampled_from(MASKS),
+       st.sampled_from([(1, 4), (2, 4), (4, 4), (2, 2), (3, 6), (8, 8), (4, 2), (8, 2), (6, 4), (3, 1)]),
        st.sampled_from([1, 2, 8, 16, 2048]))
 def test_ulysses_balances_compute_exactly_on_any_mask(lens, mask, shape, block):
     devices, kv = shape
-    plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, heads=2 * kv, kv_heads=kv, head_dim=8,
+    heads = math.lcm(2 * kv, devices)
+    plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, heads=heads, kv_heads=kv, head_dim=8,
                             strategy="ulysses", block_size=block)
     ir, s = plan.ir, plan.stats()
     g, pl = ir.graph, ir.placement
-    # every device computes whole sequences for kv / N kv heads: equal FLOPs on any mask
+    # every device computes whole sequences for kv / N kv heads (copies of them beyond the kv heads): equal
+    # FLOPs on any mask
+    assert g.kv_rep == (math.lcm(kv, devices) // kv if devices > kv else 1)
     assert g.n_hg == devices and np.array_equal(pl.cb_device, g.cb_hg)
+    assert (g.hg_heads == heads // devices).all()
     assert len(set(s["per_device"]["flops"])) == 1 and s["compute_imbalance"] == 1.0
     assert sum(s["per_device"]["pairs"]) == s["pairs"]
     # homes: a contiguous, even split of the packed sequence
@@ -70,16 +75,41 @@ def test_ulysses_balances_compute_exactly_on_any_mask(lens, mask, shape, block):
     assert xfer_set(ir, X_O) == {(t, h, h, int(home[t])) for t, h in qs}
 
 
-@pytest.mark.parametrize("devices,kv", [(4, 2), (8, 2), (2, 1), (3, 1)])
-def test_ulysses_more_devices_than_kv_heads_is_not_supported(devices, kv):
-    with pytest.raises(attnplan.PlanError, match="not supported") as e:
-        attnplan.compile(seqlens=[100, 50], mask="causal", devices=devices, heads=2 * kv, kv_heads=kv,
+@pytest.mark.parametrize("devices,kv,heads", [(4, 2, 4), (8, 2, 8), (2, 1, 2), (3, 1, 6), (6, 4, 12), (4, 1, 8)])
+def test_ulysses_beyond_kv_heads_copies_them(devices, kv, heads):
+    """N > kv_heads: every kv head copied lcm(kv, N) / kv times, as yunchang
+    does; the plan equals, block for block and byte for byte moved, Ulysses on
+    the same batch with the copies as real kv heads, and executes exactly (the
+    copies' gradients summed back into their head)."""
+    lens, kw = [70, 33, 5, 120], dict(mask="causal", devices=devices, heads=heads, head_dim=8, block_size=32,
+                                      strategy="ulysses", dtype="float32")
+    plan = attnplan.compile(seqlens=lens, kv_heads=kv, **kw)
+    g, rep = plan.ir.graph, math.lcm(kv, devices) // kv
+    assert g.kv_rep == rep and g.kv_virtual == kv * rep and g.n_hg == devices
+    assert plan.stats()["compute_imbalance"] == 1.0
+    real = attnplan.compile(seqlens=lens, kv_heads=kv * rep, **kw)
+    for f in ("hg_start", "hg_end", "cb_tile", "cb_hg"):
+        assert np.array_equal(getattr(g, f), getattr(real.ir.graph, f)), f
+    assert np.array_equal(plan.ir.schedule.xfer, real.ir.schedule.xfer)
+    s, r = plan.stats(), real.stats()
+    for key in ("comm_bytes_total", "messages", "predicted_s", "pairs"):
+        assert s[key] == r[key], key
+    executes_exactly(plan)
+
+
+@pytest.mark.parametrize("devices,kv,heads,match", [
+    (4, 2, 2, "heads must be a multiple of devices"), (3, 1, 2, "heads must be a multiple of devices"),
+    (8, 2, 4, "4 query heads is not supported")])
+def test_ulysses_needs_whole_query_heads(devices, kv, heads, match):
+    with pytest.raises(attnplan.PlanError, match=match):
+        attnplan.compile(seqlens=[100, 50], mask="causal", devices=devices, heads=heads, kv_heads=kv,
                          strategy="ulysses")
-    assert f"{devices} devices with {kv} kv heads" in str(e.value) and "devices <= kv_heads" in str(e.value)
-    # uneven head groups do not lift it: a kv head is not split
-    with pytest.raises(attnplan.PlanError, match="devices <= kv_heads"):
-        attnplan.compile(seqlens=[100, 50], mask="causal", devices=devices, heads=2 * kv, kv_heads=kv,
-                         pipeline="tile,ulysses{uneven=true},comm,emit")
+
+
+def test_ulysses_without_replication_keeps_the_kv_head_limit():
+    with pytest.raises(attnplan.PlanError, match="4 devices with 2 kv heads is not supported with replicate=false"):
+        attnplan.compile(seqlens=[100, 50], mask="causal", devices=4, heads=8, kv_heads=2,
+                         pipeline="tile,ulysses{replicate=false},comm,emit")
 
 
 def test_ulysses_uneven_head_groups_opt_in():
@@ -241,3 +271,21 @@ def test_deterministic_plans(strategy):
                 "heads": 8, "kv_heads": 4, "head_dim": 16, "block_size": 64, "strategy": strategy}
     a, b = attnplan.compile(**case), attnplan.compile(**case)
     assert a.canonical_bytes() == b.canonical_bytes()
+
+
+@pytest.mark.parametrize("devices,kv", [(8, 2), (8, 8), (32, 2), (32, 8)])
+@pytest.mark.parametrize("strategy", ["ulysses", "usp"])
+def test_ulysses_and_usp_at_8_and_32_devices_with_2_and_8_kv_heads(devices, kv, strategy):
+    """The communication issue's shapes: 32 query heads, 4 nodes at 32 devices;
+    every plan verifies, computes every pair once and (8 devices) executes exactly."""
+    lens = [300, 120, 64, 17, 9]
+    plan = attnplan.compile(seqlens=lens, mask="causal", devices=devices, nodes=max(1, devices // 8), heads=32,
+                            kv_heads=kv, head_dim=8, block_size=32, strategy=strategy, dtype="float32")
+    s, g = plan.stats(), plan.ir.graph
+    assert s["pairs"] == sum(s["per_device"]["pairs"]) == sum(n * (n + 1) // 2 for n in lens) * 32
+    if strategy == "ulysses":
+        assert g.kv_rep == max(1, devices // kv) and s["compute_imbalance"] == 1.0
+    else:  # the default degree divides the kv heads: a node's worth of devices at 8 kv heads, no copies
+        assert g.kv_rep == 1 and g.n_hg == min(8, kv)
+    if devices == 8:
+        executes_exactly(plan)

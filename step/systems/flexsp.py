@@ -19,9 +19,11 @@ the pool) with ``m_p`` whether group ``p`` is used, is solved by
 side by side, each on its sequences packed together. Inside a group the
 sequences are scattered Ulysses style (``ulysses``: head split, all-to-all)
 when the group has at most as many devices as the model has KV heads (and
-they divide them), else — Ulysses cannot split a KV head — by the
-``fallback`` strategy (``zigzag``, ring style; the communication issue
-widens ulysses to larger groups later).
+they divide them), else by the ``fallback`` strategy (``zigzag``, ring
+style). The attention level's ``ulysses`` now also runs beyond the KV heads
+by copying them (``graph.kv_rep``); this pass keeps the fallback so that its
+published comparisons stay as measured (a ``ulysses`` fallback with copied
+KV heads is a follow-up: its all-to-all carries the copies).
 
 Choices the paper and the survey leave open (or that differ), made here:
 
