@@ -419,6 +419,10 @@ class _PhaseWalk:
         end = self.end[t] = max(self.send_free[a], self.recv_free[b])
         if self.record:
             self.ev_t.append((t, a, b, end - self.dur[t], end))
+        self._release(t, end)
+
+    def _release(self, t: int, end: float) -> None:
+        """Message ``t`` arrived at ``end``: every device waiting on it resumes then."""
         for w in self.waiting.pop(t, ()):
             if self.record and end > self.clock[w]:
                 self.ev_w.append((w, self.clock[w], end, t))

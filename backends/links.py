@@ -112,12 +112,7 @@ class FairWalk(_PhaseWalk):
         self.end[m] = t
         if self.record:
             self.ev_t.append((m, self.src[m], self.dst[m], self.ready[m], t))
-        for w in self.waiting.pop(m, ()):
-            if self.record and t > self.clock[w]:
-                self.ev_w.append((w, self.clock[w], t, m))
-            self.clock[w] = max(self.clock[w], t)
-            self.pc[w] += 1
-            heapq.heappush(self.heap, (self.clock[w], w))
+        self._release(m, t)
 
     def post(self, t: int, now: float) -> None:
         """One end of message ``t`` is posted at ``now``; the second post starts its latency."""
