@@ -227,12 +227,40 @@ def test_flexsp_groups_memory_devices_and_strategies(lens, mesh):
         g = len(ranks)
         assert g & (g - 1) == 0 and ranks[0] % g == 0
         assert plan.mb_tokens()[m] <= g * cap
-        assert plan.mb_strategy[m] == ("ulysses" if p.model.kv_heads % g == 0 else "zigzag")
+        # Ulysses where the group divides the KV heads, or (copies, the default) the query heads
+        assert plan.mb_strategy[m] == ("ulysses" if p.model.kv_heads % g == 0 or p.model.heads % g == 0
+                                       else "zigzag")
         per_slot.setdefault(int(plan.mb_slot[m]), []).append(g)
     assert all(sum(v) <= n for v in per_slot.values())
     assert len(per_slot) == info["micro_batches"]
     # the pool's memory bounds every micro-batch: the fewest micro-batches are the token count over it
     assert info["micro_batches"] >= -(-sum(lens) // (cap * n))
+
+
+def test_flexsp_copies_kv_heads_beyond_them():
+    """TINY has 4 query and 2 KV heads: a group of 4 runs ``ulysses`` with every KV head copied twice
+    (``copies=true``, the default; lowered plans have ``kv_rep`` 2 and equal dense attention), or the ring
+    fallback with ``copies=false``; the cost model charges the copies' all-to-all."""
+    lens = [300, 200, 40, 30]
+    p = problem(lens, 1, 4, 4)
+    on = compile_step(p, "flexsp{max_tokens=80}")
+    sizes = [len(on.plan.mb_ranks(m)) for m in range(on.plan.n_mb)]
+    assert 4 in sizes
+    for m, low in enumerate(on.lowered):
+        g = sizes[m]
+        assert on.plan.mb_strategy[m] == "ulysses"
+        assert low.ir.graph.kv_rep == (2 if g == 4 else 1)
+    check_execution(on)
+    off = FlexSP(max_tokens=80, copies=False).apply(p)
+    assert all(off.mb_strategy[m] == ("zigzag" if len(off.mb_ranks(m)) == 4 else "ulysses")
+               for m in range(off.n_mb))
+    s = np.asarray(lens)
+    copied, ring = comm_seconds(p, s, 4, "zigzag", True), comm_seconds(p, s, 4, "zigzag", False)
+    m = p.model
+    # full recompute: Ulysses' Q, K, V in and O out with the KV of 2 copies, (2·4 + 2·2·2) heads a token over
+    # d = 4, three times; the ring's K, V of 2 heads over the whole sequence (not divided by d), four times
+    assert p.mesh.recompute == "full"
+    assert np.allclose(copied / ring, ((2 * m.heads + 4 * m.kv_heads) / 4 * 3) / (2 * m.kv_heads * 4))
 
 
 def test_flexsp_reproduces_the_papers_example_choice():

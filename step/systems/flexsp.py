@@ -20,10 +20,11 @@ side by side, each on its sequences packed together. Inside a group the
 sequences are scattered Ulysses style (``ulysses``: head split, all-to-all)
 when the group has at most as many devices as the model has KV heads (and
 they divide them), else by the ``fallback`` strategy (``zigzag``, ring
-style). The attention level's ``ulysses`` now also runs beyond the KV heads
-by copying them (``graph.kv_rep``); this pass keeps the fallback so that its
-published comparisons stay as measured (a ``ulysses`` fallback with copied
-KV heads is a follow-up: its all-to-all carries the copies).
+style), or, with ``copies=true``, by ``ulysses`` with every KV head copied
+``lcm(kv_heads, d) / kv_heads`` times (``graph.kv_rep``, as yunchang does;
+the all-to-all carries the copies, priced in :func:`comm_seconds`) wherever
+``d`` divides the query heads — FlexSP as all-Ulysses. The default keeps the
+ring fallback, with which the README's tables were measured.
 
 Choices the paper and the survey leave open (or that differ), made here:
 
@@ -84,6 +85,8 @@ Choices the paper and the survey leave open (or that differ), made here:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,22 +110,33 @@ DP_ITEMS = 2048         # items the bucketing's dynamic programme takes (more ar
 DP_BLOCK = 256          # rows of the bucketing's cost matrix built at once
 
 
-def uses_ulysses(problem: StepProblem, d: int) -> bool:
-    """Whether a group of ``d`` devices can scatter heads Ulysses style (``d`` divides the KV heads)."""
-    return problem.model.kv_heads % d == 0
+def uses_ulysses(problem: StepProblem, d: int, copies: bool = False) -> bool:
+    """Whether a group of ``d`` devices scatters heads Ulysses style: ``d`` divides the KV heads, or, with
+    ``copies``, the query heads (the KV heads then copied, :func:`kv_copies`)."""
+    m = problem.model
+    return m.kv_heads % d == 0 or (copies and m.heads % d == 0)
 
 
-def comm_seconds(problem: StepProblem, s: np.ndarray, d: int, fallback: str) -> np.ndarray:
+def kv_copies(problem: StepProblem, d: int) -> int:
+    """Copies of every KV head a Ulysses group of ``d`` devices moves (1 when ``d`` divides the KV heads;
+    else ``lcm(kv_heads, d) / kv_heads``, as the attention level's ``ulysses`` copies them)."""
+    kv = problem.model.kv_heads
+    return 1 if kv % d == 0 else math.lcm(kv, d) // kv
+
+
+def comm_seconds(problem: StepProblem, s: np.ndarray, d: int, fallback: str, copies: bool = False) -> np.ndarray:
     """The survey's ``α3·s / (d·v)`` for documents of lengths ``s`` on a group of ``d`` devices: per device,
-    the seconds its sends take over the whole step (see the module doc)."""
+    the seconds its sends take over the whole step (see the module doc); a Ulysses group beyond the KV
+    heads (``copies``) moves every copy of K and V."""
     if d <= 1:
         return np.zeros(len(s))
     m, mesh, prof = problem.model, problem.mesh, problem.profile
     v = prof.intra_bw if d <= mesh.devices_per_node else prof.inter_bw
     rec = 1.0 if mesh.recompute == "full" else 0.0
     s = np.asarray(s, float)
-    if uses_ulysses(problem, d):
-        per_token = ACT_BYTES * (2 * m.heads + 2 * m.kv_heads) * m.head_dim     # Q, K, V in; O out
+    if uses_ulysses(problem, d, copies):
+        kv = m.kv_heads * kv_copies(problem, d)
+        per_token = ACT_BYTES * (2 * m.heads + 2 * kv) * m.head_dim             # Q, K, V in; O out
         volume = s / d * (d - 1) / d * per_token * (2.0 + rec)
     else:
         per_token = ACT_BYTES * 2 * m.kv_heads * m.head_dim                     # K and V around the ring
@@ -130,7 +144,7 @@ def comm_seconds(problem: StepProblem, s: np.ndarray, d: int, fallback: str) -> 
     return m.layers * volume / v
 
 
-def launch_seconds(problem: StepProblem, d: int) -> np.ndarray:
+def launch_seconds(problem: StepProblem, d: int, copies: bool = False) -> np.ndarray:
     """Per device, the attention kernels' launch overhead of every document on a group of ``d`` over the
     step: one launch (the profile's ``launch_s``) per token-block pair, per phase (forward, backward,
     recomputed forward) and layer. Ulysses runs every block pair of the document on every device (for its
@@ -144,7 +158,7 @@ def launch_seconds(problem: StepProblem, d: int) -> np.ndarray:
         return np.zeros(len(s))
     nb = np.ceil(s / problem.block_size)
     causal = s * (s + 1) / 2
-    ulysses = uses_ulysses(problem, d)
+    ulysses = uses_ulysses(problem, d, copies)
     if d > 1:
         nb = nb + (d - 1 if ulysses else 2 * d - 1)
     pairs = nb * (nb + 1) / 2 * np.minimum(1.0, problem.pairs / causal)
@@ -201,7 +215,8 @@ class FlexSP(StepPass):
     micro: int = 0            # micro-batches; 0 = the fewest the pool's memory allows, more while infeasible
     fallback: str = "zigzag"  # strategy of groups Ulysses cannot split (more devices than KV heads)
     formulation: str = "pooled"  # pooled (a column per group size) or groups (a column per virtual group, the paper's)
-    inner: str = "ulysses"    # ulysses (FlexSP's, fallback beyond the KV heads) or adaptive (the faster of the two)
+    inner: str = "ulysses"    # ulysses (FlexSP's; fallback where it cannot split) or adaptive (the faster of the two)
+    copies: bool = True       # groups beyond the KV heads run ulysses with copied KV heads (where d divides heads)
     max_tokens: int = 0       # tokens a device holds; 0 = from the memory model
 
     def __post_init__(self):
@@ -231,8 +246,8 @@ class FlexSP(StepPass):
         need = need_size(lens, cap, sizes)
         refuse_unfit(problem, need, cap, "flexsp")
         work = doc_seconds(problem)
-        times = {d: work / d + comm_seconds(problem, lens, d, self.fallback) + launch_seconds(problem, d)
-                 for d in sizes}
+        times = {d: work / d + comm_seconds(problem, lens, d, self.fallback, self.copies)
+                 + launch_seconds(problem, d, self.copies) for d in sizes}
         order = np.lexsort((np.arange(problem.docs), -lens))
         micro = self.micro or max(1, -(-problem.tokens // (cap * n)))
         while True:
@@ -325,14 +340,13 @@ class FlexSP(StepPass):
 
     # ------------------------------------------------------------------------------------ the plan
     def _plan(self, problem: StepProblem, solved: list[Solved], cap: int) -> StepPlan:
-        kv = problem.model.kv_heads
         mb_docs, mb_ranks, mb_slot, inner = [], [], [], []
         for slot, sol in enumerate(solved[::-1]):          # heaviest micro-batch (the first cut) last
             for (d, docs), ranks in zip(sol.groups, layout([d for d, _ in sol.groups])):
                 mb_docs.append(np.sort(np.asarray(docs, np.int64)))
                 mb_ranks.append(ranks)
                 mb_slot.append(slot)
-                if kv % d:
+                if not uses_ulysses(problem, d, self.copies):
                     inner.append(self.fallback)
                 elif self.inner == "adaptive":
                     inner.append(choose_strategy(problem, tuple(problem.seqlens[mb_docs[-1]].tolist()), ranks,
