@@ -173,6 +173,10 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     Vectorized: mask pieces are expanded over the q blocks they touch, then
     over the kv blocks each clipped piece touches, clipped, tightened and
     grouped by (q block, kv block)."""
+    check_kv_rep(problem, kv_rep)
+    if not 1 <= n_head_groups <= problem.kv_heads * kv_rep:
+        raise PlanError(f"{n_head_groups} head groups over {problem.kv_heads * kv_rep} kv heads: between 1 and "
+                        f"the kv heads")
     T = problem.tokens
     cuts = unique(np.concatenate([np.asarray(cuts, np.int64), [0, T]]))
     cuts = cuts[(cuts >= 0) & (cuts <= T)]
@@ -197,10 +201,6 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     tile_key = key[tile_ptr[:-1]]
     counts = piece_counts(rows)
     tile_pairs = np.add.reduceat(counts, tile_ptr[:-1]) if len(counts) else counts
-    check_kv_rep(problem, kv_rep)
-    if not 1 <= n_head_groups <= problem.kv_heads * kv_rep:
-        raise PlanError(f"{n_head_groups} head groups over {problem.kv_heads * kv_rep} kv heads: between 1 and "
-                        f"the kv heads")
     hs, he = head_groups(problem.kv_heads * kv_rep, n_head_groups)
     n_tile = len(tile_key)
     return BlockGraph(

@@ -23,8 +23,9 @@ they divide them), else by the ``fallback`` strategy (``zigzag``, ring
 style), or, with ``copies=true``, by ``ulysses`` with every KV head copied
 ``lcm(kv_heads, d) / kv_heads`` times (``graph.kv_rep``, as yunchang does;
 the all-to-all carries the copies, priced in :func:`comm_seconds`) wherever
-``d`` divides the query heads — FlexSP as all-Ulysses. The default keeps the
-ring fallback, with which the README's tables were measured.
+``d`` divides the query heads — FlexSP as all-Ulysses, the default (the
+README's tables are measured with it); ``copies=false`` keeps the ring
+fallback for every group beyond the KV heads.
 
 Choices the paper and the survey leave open (or that differ), made here:
 
@@ -85,14 +86,13 @@ Choices the paper and the survey leave open (or that differ), made here:
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass
 
 import numpy as np
 
 from ...errors import StepError
 from ...ir.limits import MAX_MICRO_BATCHES
+from ...passes.ulysses import kv_copies as ulysses_copies
 from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
@@ -112,16 +112,16 @@ DP_BLOCK = 256          # rows of the bucketing's cost matrix built at once
 
 def uses_ulysses(problem: StepProblem, d: int, copies: bool = False) -> bool:
     """Whether a group of ``d`` devices scatters heads Ulysses style: ``d`` divides the KV heads, or, with
-    ``copies``, the query heads (the KV heads then copied, :func:`kv_copies`)."""
+    ``copies``, the attention level's ``ulysses`` can copy them for ``d`` (:func:`kv_copies`)."""
     m = problem.model
-    return m.kv_heads % d == 0 or (copies and m.heads % d == 0)
+    return m.kv_heads % d == 0 or (copies and ulysses_copies(m.kv_heads, m.heads, d) is not None)
 
 
 def kv_copies(problem: StepProblem, d: int) -> int:
-    """Copies of every KV head a Ulysses group of ``d`` devices moves (1 when ``d`` divides the KV heads;
-    else ``lcm(kv_heads, d) / kv_heads``, as the attention level's ``ulysses`` copies them)."""
-    kv = problem.model.kv_heads
-    return 1 if kv % d == 0 else math.lcm(kv, d) // kv
+    """Copies of every KV head a Ulysses group of ``d`` devices moves: the attention level's rule
+    (``lcm(kv_heads, d) / kv_heads``; 1 when ``d`` divides the KV heads)."""
+    m = problem.model
+    return ulysses_copies(m.kv_heads, m.heads, d) or 1
 
 
 def comm_seconds(problem: StepProblem, s: np.ndarray, d: int, fallback: str, copies: bool = False) -> np.ndarray:
@@ -213,7 +213,7 @@ class FlexSP(StepPass):
     gap: float = 0.01         # relative MIP gap at which HiGHS stops
     buckets: int = 16         # length buckets per micro-batch (FlexSP §5); 0 = a variable per sequence
     micro: int = 0            # micro-batches; 0 = the fewest the pool's memory allows, more while infeasible
-    fallback: str = "zigzag"  # strategy of groups Ulysses cannot split (more devices than KV heads)
+    fallback: str = "zigzag"  # strategy of groups Ulysses cannot split (beyond the KV heads without copies)
     formulation: str = "pooled"  # pooled (a column per group size) or groups (a column per virtual group, the paper's)
     inner: str = "ulysses"    # ulysses (FlexSP's; fallback where it cannot split) or adaptive (the faster of the two)
     copies: bool = True       # groups beyond the KV heads run ulysses with copied KV heads (where d divides heads)
