@@ -18,13 +18,14 @@ from .ir.problem import DTYPE_BYTES, Problem
 
 
 
-def default_pipeline(strategy: str, block_size: int) -> str:
-    """The default pipeline, one named step a line."""
+def default_pipeline(strategy: str, block_size: int, comm: str | None = None) -> str:
+    """The default pipeline, one named step a line; ``comm`` replaces the
+    options of its comm step (e.g. ``"mode=allgather"``)."""
     from .passes import REGISTRY
     return ",".join([
         f"tile{{block={block_size}}}",                         # token blocks per sample, the block graph
         strategy,                                             # placement: token homes, compute devices
-        f"comm{{mode={REGISTRY[strategy].default_comm}}}",   # transfers (p2p, or ring for zigzag)
+        f"comm{{{comm or 'mode=' + REGISTRY[strategy].default_comm}}}",  # transfers (p2p+relay, or ring: zigzag)
         "overlap",                                            # next stage's transfers fly during compute
         "emit",                                               # per-device instruction streams, fwd + bwd
     ])

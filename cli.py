@@ -140,13 +140,16 @@ def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, 
 
 
 def _strategy_list(text: str) -> list[str]:
+    """``all`` or comma-separated entries: ``name`` or ``name:variant`` (tools/compare.py COMM_VARIANTS)."""
     from .passes import strategies
+    from .tools.compare import parse_entry
     if text == "all":
         return list(strategies())
     names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [n for n in names if n not in strategies()]
-    if unknown or not names:
-        raise PlanError(f"unknown strategy {', '.join(unknown) or text!r}; known: {', '.join(strategies())}")
+    if not names:
+        raise PlanError(f"no strategy in {text!r}; known: {', '.join(strategies())}")
+    for n in names:
+        parse_entry(n)
     return names
 
 
@@ -236,7 +239,9 @@ def _add_compare_bench(sub) -> None:
     cp.add_argument("--mask", default="causal")
     cp.add_argument("--devices", type=POSITIVE_DEVICES, required=True)
     _shape_args(cp)
-    cp.add_argument("--strategies", default="all", help="comma-separated strategy names, or all")
+    cp.add_argument("--strategies", default="all",
+                    help="comma-separated strategy names, or all; NAME:VARIANT runs NAME's placement with another "
+                         "communication mode: p2p, relay, direct (p2p without relays), ring, allgather")
     cp.add_argument("--json", action="store_true")
     cp.add_argument("--html", default=None, help="write the visual comparison report to this file")
 

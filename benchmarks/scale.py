@@ -13,7 +13,7 @@ small document with the same options (the first compile of a process pays
 about a second of lazy imports and set-up that a long-lived planner pays
 once), the median of ``--repeats`` children. A case reports its time, peak memory, plan file size
 (``len(plan.to_bytes())``), compute imbalance, predicted / lower bound and
-compute blocks, or the error the compile raised (e.g. the 300,000
+compute blocks, or the error the compile raised (e.g. the 600,000
 compute-block limit; its time is then the time to fail), or ``timeout`` when the child ran past ``--timeout``
 seconds (it is killed). The 4M batch is eight 512K batches of the suite
 concatenated (``BIG_FROM``: the ``-0`` batch of each of the seven

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--strategies", default="zigzag,minheap,hypergraph,tile_pool,per_doc",
                     help="comma-separated (per_doc is skipped by the pipeline's compute-block limit where it "
-                         "would make over 300,000 blocks)")
+                         "would make over MAX_COMPUTE_BLOCKS, 600,000, blocks)")
     args = ap.parse_args(argv)
     batches = [json.loads(x) for x in Path(args.batches).read_text().splitlines() if x.strip()]
     if args.quick:

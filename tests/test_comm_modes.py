@@ -102,7 +102,7 @@ def test_comm_mode_error_names_the_modes():
 def test_relay_crosses_each_remote_node_once_per_block(lens, strategy, mesh):
     devices, nodes = mesh
     pipe = "tile{block=64},%s,comm{mode=p2p%s},emit"
-    plain = _compile(lens, devices, nodes, pipeline=pipe % (strategy, ""))
+    plain = _compile(lens, devices, nodes, pipeline=pipe % (strategy, ",relay=none"))
     relay = _compile(lens, devices, nodes, pipeline=pipe % (strategy, ",relay=node"))
     per = devices // nodes
     x = relay.ir.schedule.xfer
@@ -119,6 +119,24 @@ def test_relay_crosses_each_remote_node_once_per_block(lens, strategy, mesh):
     assert got == want
     a, b = plain.stats(), relay.stats()
     assert b["comm_bytes_inter"] <= a["comm_bytes_inter"] and b["comm_bytes_total"] == a["comm_bytes_total"]
+
+
+def test_relay_is_the_p2p_default_and_spreads_over_the_nodes_links():
+    """``relay=auto`` (the default) relays p2p traffic and keeps ring as it is;
+    the block that crosses goes to a different device of the remote node
+    block by block, so a node's inbound inter-node bytes are spread over its
+    devices (always the lowest device put them all on one link)."""
+    lens = [200] * 8
+    plan = _compile(lens, 8, 2, strategy="per_doc")
+    assert "comm{mode=p2p,relay=node}" in plan.meta["pipeline"]
+    assert "comm{mode=ring,relay=none}" in _compile(lens, 8, 2, strategy="zigzag").meta["pipeline"]
+    x = plan.ir.schedule.xfer
+    inputs = x[(x[:, XK] != 2) & ((x[:, XSRC] // 4) != (x[:, XDST] // 4))]
+    got = np.bincount(inputs[:, XDST], minlength=8)
+    assert np.all(got > 0), got  # every device receives a share across nodes
+    assert got.max() <= 2 * got.min(), got
+    single = _compile(lens, 4, 1, strategy="per_doc")  # one node: nothing to relay, one stage
+    assert single.ir.schedule.stages == 1
 
 
 def test_relay_needs_p2p():

@@ -24,7 +24,7 @@ than the best simulated plan's whole makespan cannot win.
    :func:`attnplan.backends.cost.launches` bounds them)
    and the time its send and its receive queue are busy with the transfers
    the placement needs (:func:`attnplan.ir.verify.needed_transfers`, or the
-   ring of ``comm{mode=ring}``; ``bytes / bandwidth`` of the link per block,
+   ring of ``comm{mode=ring}``, or the node relays of ``relay=node``; ``bytes / bandwidth`` of the link per block,
    the bytes of :func:`attnplan.ir.program.buffer_bytes`, and ``alpha`` per
    message: per phase, source, destination, ring hop, data or partial — no
    more than the program's messages, which coalesce every block of one
@@ -86,7 +86,7 @@ from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategies
-from ..passes.comm import ring_kv
+from ..passes.comm import default_relay, relay_rows, ring_kv
 
 KEEP = 1  # finish at least this many candidates, best estimate first (the bound decides the rest)
 
@@ -128,19 +128,26 @@ def _queues(n: int, per_node: int, prof, parts) -> tuple[np.ndarray, int]:
     return np.maximum(send, recv), total
 
 
-def _kv_route(g, pl, need_kv: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """KV transfers as rows ``(tb, hg, src, dst)``: the needed ones (p2p) or
-    every hop of the ring; and the stage of each (0, or the ring hop)."""
+def _routes(g, pl, need, mode: str, relay: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q and KV transfers as rows ``(tb, hg, src, dst)`` with the message group
+    of each (its stage: the ring hop, or the relay stage), routed as
+    ``comm{mode=mode,relay=relay}`` routes them: the needed ones (p2p), every
+    hop of the ring, or p2p with node relays (:func:`relay_rows`)."""
+    q, kv = need[X_Q], need[X_KV]
     if mode == "ring" and pl.devices > 1:
         rows, _ = ring_kv(g, pl)
-        return rows[:, [XTB, XHG, XSRC, XDST]], rows[:, XSTAGE]
-    return need_kv, np.zeros(len(need_kv), np.int64)
+        return q, np.zeros(len(q), np.int64), rows[:, [XTB, XHG, XSRC, XDST]], rows[:, XSTAGE]
+    if mode == "p2p" and relay == "node" and pl.nodes > 1:
+        rq, _ = relay_rows(X_Q, q, pl.devices_per_node)
+        rkv, _ = relay_rows(X_KV, kv, pl.devices_per_node)
+        return rq[:, [XTB, XHG, XSRC, XDST]], rq[:, XSTAGE], rkv[:, [XTB, XHG, XSRC, XDST]], rkv[:, XSTAGE]
+    return q, np.zeros(len(q), np.int64), kv, np.zeros(len(kv), np.int64)
 
 
-def estimate(ir: PlanIR, prof, comm_mode: str = "p2p") -> Estimate:
+def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str = "auto") -> Estimate:
     """The bound of step 2 of the module doc for a placed IR (graph and
     placement) under the cost profile ``prof``, its transfers routed as
-    ``comm{mode=comm_mode}`` would route them."""
+    ``comm{mode=comm_mode,relay=relay}`` would route them."""
     g, pl = ir.need_graph(), ir.need_placement()
     n, per_node = pl.devices, pl.devices_per_node
     rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
@@ -148,17 +155,17 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p") -> Estimate:
     blocks = np.bincount(pl.cb_device, minlength=n)
     compute = np.bincount(pl.cb_device, weights=fwd_cb, minlength=n) + prof.launch_s * launches(blocks, prof) / rate
     need = needed_transfers(g, pl)
-    q, o, dkv = need[X_Q], need[X_O], need[X_KV]
-    kv, hop = _kv_route(g, pl, need[X_KV], comm_mode)
+    o, dkv = need[X_O], need[X_KV]
+    q, q_hop, kv, hop = _routes(g, pl, need, comm_mode, default_relay(comm_mode) if relay == "auto" else relay)
     PARTIAL = -1  # partials travel apart from data (a group of their own)
 
     def part(rows: np.ndarray, phase: int, kind: int, group, reverse: bool = False):
         src, dst = (rows[:, 3], rows[:, 2]) if reverse else (rows[:, 2], rows[:, 3])
         return src, dst, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]), np.broadcast_to(group, len(rows)) + 1
 
-    comm_f, bytes_f = _queues(n, per_node, prof, [part(q, FWD, B_Q, 0), part(kv, FWD, B_KV, hop),
+    comm_f, bytes_f = _queues(n, per_node, prof, [part(q, FWD, B_Q, q_hop), part(kv, FWD, B_KV, hop),
                                                    part(o, FWD, B_O, PARTIAL)])
-    comm_b, bytes_b = _queues(n, per_node, prof, [part(q, BWD, B_Q, 0), part(kv, BWD, B_KV, hop),
+    comm_b, bytes_b = _queues(n, per_node, prof, [part(q, BWD, B_Q, q_hop), part(kv, BWD, B_KV, hop),
                                                    part(o, BWD, B_DQ, PARTIAL),
                                                    part(dkv, BWD, B_DKV, PARTIAL, reverse=True)])
     comp_b = compute * prof.bwd_factor

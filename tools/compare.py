@@ -1,5 +1,8 @@
 """Compare strategies side by side on one batch (``plan compare``): every
-strategy asked for is compiled, nothing is pruned (``auto``, which compiles
+strategy asked for is compiled, nothing is pruned. An entry is a strategy
+name (its default pipeline) or ``name:variant``, the same placement with
+another communication mode (:data:`COMM_VARIANTS`: ``zigzag:allgather``,
+``per_doc:direct``, ``minheap:ring``...) (``auto``, which compiles
 only the promising ones, is :mod:`attnplan.tools.auto`).
 
 Every number in a row comes from the plan's own ``stats()`` (the definitions
@@ -10,7 +13,28 @@ comparison."""
 from __future__ import annotations
 
 from ..api import compile as compile_plan
+from ..api import default_pipeline
 from ..errors import AttnplanError, PlanError
+
+COMM_VARIANTS = {  # name:variant -> the options of the comm step
+    "p2p": "mode=p2p",                    # each block straight to the devices that need it; relays across nodes
+    "relay": "mode=p2p,relay=node",       # the same, relays named (DCP's two-phase inter-node transfer)
+    "direct": "mode=p2p,relay=none",      # p2p without relays: every remote device gets its own crossing
+    "ring": "mode=ring",                  # KV one hop a stage round the ring (ring-flash-attn, TransformerEngine)
+    "allgather": "mode=allgather",        # every KV block to every device first (Llama 3, TE's all_gather CP)
+}
+
+
+def parse_entry(entry: str) -> tuple[str, str | None]:
+    """``name`` or ``name:variant`` as (strategy, comm options or None);
+    PlanError naming what is unknown."""
+    from ..passes import strategies
+    name, _, variant = entry.partition(":")
+    if name not in strategies():
+        raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategies())}")
+    if ":" in entry and variant not in COMM_VARIANTS:
+        raise PlanError(f"unknown communication variant {variant!r} in {entry!r}; known: {', '.join(COMM_VARIANTS)}")
+    return name, (COMM_VARIANTS[variant] if variant else None)
 
 COLUMNS = ("strategy", "compute_imbalance", "token_imbalance", "comm_bytes_total", "comm_bytes_max", "predicted_s",
            "predicted_over_lower_bound", "plan_s", "last_stage_share", "kernel_work_ratio")
@@ -23,11 +47,15 @@ def row_of(name: str, plan) -> dict:
 
 
 def compare(strategies, progress=None, **compile_kwargs) -> tuple[list[dict], dict]:
-    """Compile ``strategies`` on one batch. Returns (rows, plans by strategy)."""
+    """Compile ``strategies`` (entries of :func:`parse_entry`) on one batch.
+    Returns (rows, plans by entry)."""
     rows, plans = [], {}
     for name in strategies:
+        strategy, comm = parse_entry(name)
+        pipe = {} if comm is None else {"pipeline": default_pipeline(strategy, compile_kwargs.get("block_size", 2048),
+                                                                      comm)}
         try:
-            plan = compile_plan(strategy=name, **compile_kwargs)
+            plan = compile_plan(strategy=strategy, **pipe, **compile_kwargs)
         except AttnplanError as e:
             if not isinstance(e, PlanError):
                 raise  # bad batch or mask: the same for every strategy
@@ -41,14 +69,15 @@ def compare(strategies, progress=None, **compile_kwargs) -> tuple[list[dict], di
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'strategy':<11} {'comp imb':>8} {'tok imb':>7} {'comm total':>11} {'comm max':>10} " \
+    w = max([11] + [len(r["strategy"]) for r in rows])
+    head = f"{'strategy':<{w}} {'comp imb':>8} {'tok imb':>7} {'comm total':>11} {'comm max':>10} " \
            f"{'predicted':>10} {'pred/LB':>8} {'plan s':>7} {'last stg':>8} {'kern work':>9}"
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['strategy']:<11} {r['error']}")
+            lines.append(f"{r['strategy']:<{w}} {r['error']}")
             continue
-        lines.append(f"{r['strategy']:<11} {r['compute_imbalance']:>8.3f} {r['token_imbalance']:>7.3f} "
+        lines.append(f"{r['strategy']:<{w}} {r['compute_imbalance']:>8.3f} {r['token_imbalance']:>7.3f} "
                      f"{r['comm_bytes_total'] / 1e9:>9.3f}GB {r['comm_bytes_max'] / 1e9:>8.3f}GB "
                      f"{r['predicted_s'] * 1e3:>8.3f}ms {r['predicted_over_lower_bound']:>8.2f} "
                      f"{r['plan_s']:>7.3f} {r['last_stage_share']:>8.2f} {r['kernel_work_ratio']:>9.2f}")
