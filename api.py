@@ -22,10 +22,11 @@ def default_pipeline(strategy: str, block_size: int, comm: str | None = None) ->
     """The default pipeline, one named step a line; ``comm`` replaces the
     options of its comm step (e.g. ``"mode=allgather"``)."""
     from .passes import REGISTRY
+    from .passes.comm import default_comm
     return ",".join([
         f"tile{{block={block_size}}}",                         # token blocks per sample, the block graph
         strategy,                                             # placement: token homes, compute devices
-        f"comm{{{comm or 'mode=' + REGISTRY[strategy].default_comm}}}",  # transfers (p2p+relay, or ring: zigzag)
+        f"comm{{{comm or default_comm(REGISTRY[strategy].default_comm)}}}",  # transfers: p2p + node relays, or ring
         "overlap",                                            # next stage's transfers fly during compute
         "emit",                                               # per-device instruction streams, fwd + bwd
     ])

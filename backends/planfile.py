@@ -94,7 +94,8 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
         "graph": {**{f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
                   **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {})},  # absent: 1 (files of before stay byte-equal)
         "placement": {"home": _arr(pl.home), "cb_device": _arr(pl.cb_device)},
-        "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap},
+        "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap,
+                     **({"collective": True} if s.collective else {})},  # absent: False (older files stay byte-equal)
         "program": {"transfers": _arr(schema.transfers_body(g, prog.transfers)),
                     "messages": _arr(schema.messages_body(prog.transfers, prog.messages)),
                     "buffers": [[_arr(schema.buffers_body(g, ph, b)) for b in bufs]

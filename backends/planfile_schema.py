@@ -283,7 +283,10 @@ def schedule(sb, g: BlockGraph, devices: int) -> Schedule:
     overlap = field(sb, "overlap", "schedule")
     if not isinstance(overlap, bool):
         fail(f"schedule.overlap must be a boolean, got {_kind(overlap)}")
-    return Schedule(stages, cb_stage, xfer, overlap)
+    collective = sb.get("collective", False)
+    if collective is not True and collective is not False:
+        fail(f"schedule.collective must be a boolean, got {_kind(collective)}")
+    return Schedule(stages, cb_stage, xfer, overlap, collective)
 
 
 def _per_device(pr, key: str, devices: int) -> list:

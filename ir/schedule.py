@@ -26,13 +26,16 @@ class Schedule:
     cb_stage: np.ndarray
     xfer: np.ndarray
     overlap: bool = False  # post stage s+1 transfers during stage s; send partials when final
+    collective: bool = False  # comm{mode=a2a}: one stage, no overlap; each phase's data and its partials are one
+    #                           all-to-all each (the runtime runs them as all_to_all_single, runtime/dist.py)
 
     def __post_init__(self):
         self.cb_stage.setflags(write=False)
         self.xfer.setflags(write=False)
 
     def to_text(self, limit: int = 40) -> str:
-        lines = [f"schedule stages={self.stages} transfers={len(self.xfer)} overlap={self.overlap}"]
+        lines = [f"schedule stages={self.stages} transfers={len(self.xfer)} overlap={self.overlap}"
+                 + (" collective=True" if self.collective else "")]
         for k, tb, hg, s, d, st in self.xfer[:limit].tolist():
             lines.append(f"  stage {st}: {XFER_KIND_NAMES[k]}[tb{tb},hg{hg}] d{s} -> d{d}")
         if len(self.xfer) > limit:

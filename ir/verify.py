@@ -252,6 +252,9 @@ def _check_xfer_table(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
     _shape(s.xfer, (None, 6), "schedule.xfer", 3)
     if ((s.cb_stage < 0) | (s.cb_stage >= s.stages)).any():
         _fail(3, "schedule stages do not match the compute blocks")
+    if s.collective and (s.stages != 1 or s.overlap):
+        _fail(3, f"a collective schedule (comm{{mode=a2a}}) has one stage and no overlap; this one has {s.stages} "
+                 f"stages, overlap={s.overlap}")
     x = s.xfer
     xt = np.ascontiguousarray(x.T)
     k, tb, hg, src, dst, st = (xt[c] for c in (XK, XTB, XHG, XSRC, XDST, XSTAGE))

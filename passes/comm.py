@@ -1,4 +1,4 @@
-"""comm{mode=p2p|ring|allgather}: derive the transfers a placement needs.
+"""comm{mode=p2p|ring|allgather|a2a}: derive the transfers a placement needs.
 
 * ``p2p`` (zero-redundant, MagiAttention/DCP style): each Q and KV block goes
   from its home straight to every other device that computes with it, once;
@@ -16,11 +16,20 @@
   per peer after coalescing: the direct all-gather; NCCL's ring all-gather
   moves the same bytes per device.
 
+* ``a2a`` (the all-to-all of DeepSpeed-Ulysses and yunchang, for any
+  placement): p2p's transfers, one stage, no overlap and no relays, run as
+  collectives: per phase one all-to-all of the data (Q, KV) before any
+  compute and one of the partial outputs after it
+  (``torch.distributed.all_to_all_single`` in :mod:`attnplan.runtime.dist`;
+  the in-process executor and the cost model see its point-to-point
+  messages, which is what NCCL's all-to-all is: grouped sends and receives
+  to every peer, and what it costs).
+
 Either way each partial O goes from a computing device to the Q block's home
 once, after its last write.
 
-``relay=node`` (with ``p2p``, where ``relay=auto``, the default, picks it;
-DCP's two-phase inter-node transfer, Jiang et al. 2025 §4): a Q or KV block that several devices of one remote node need
+``relay=node`` (with ``p2p``; the default pipelines of p2p strategies use
+it, :func:`default_comm`; DCP's two-phase inter-node transfer, Jiang et al. 2025 §4): a Q or KV block that several devices of one remote node need
 crosses the inter-node link once, to one of those devices (rotating over
 them block by block, so that every device's inter-node link carries a
 share; always the lowest put a node's whole inbound traffic on one link), in
@@ -45,14 +54,22 @@ from .base import Pass, register
 
 
 def default_relay(mode: str) -> str:
-    """``relay=auto``: ``node`` for p2p (on one node it changes nothing), else
-    ``none``. Measured with the h100 profile at 32 devices (4 nodes), the
+    """The relay of a default pipeline (:func:`default_comm`): ``node`` for
+    p2p (on one node it changes nothing), else ``none``. Measured with the h100 profile at 32 devices (4 nodes), the
     median predicted / lower bound falls with the relay for every p2p
     strategy: per_doc 28.2 -> 24.3 and dacp 26.7 -> 22.5 on the 128K
     batches; minheap 3.34 -> 2.67, tile_pool 2.61 -> 2.53, hypergraph
     1.44 -> 1.43 on the 512K batches (single batches can lose: the relayed
     blocks' compute waits for stage 1)."""
     return "node" if mode == "p2p" else "none"
+
+
+def default_comm(mode: str) -> str:
+    """The options of a default pipeline's comm step for a strategy whose
+    ``default_comm`` is ``mode`` (an explicit ``comm{mode=p2p}`` means no
+    relay: ``divide`` and other staged passes need its one stage)."""
+    relay = default_relay(mode)
+    return f"mode={mode}" + (f",relay={relay}" if relay != "none" else "")
 
 
 def _rows(kind, r, stage) -> np.ndarray:
@@ -140,15 +157,13 @@ class Comm(Pass):
     name = "comm"
     needs = ("graph", "placement")
     mode: str = "p2p"
-    relay: str = "auto"  # "node": DCP's two-phase inter-node transfer (p2p only); "auto": node for p2p
+    relay: str = "none"  # "node": DCP's two-phase inter-node transfer (p2p only; default pipelines use it)
 
     def __post_init__(self):
-        if self.mode not in ("p2p", "ring", "allgather"):
-            raise PlanError(f"comm: mode must be p2p, ring or allgather, got {self.mode!r}")
-        if self.relay not in ("none", "node", "auto"):
-            raise PlanError(f"comm: relay must be none, node or auto, got {self.relay!r}")
-        if self.relay == "auto":  # resolved here, so the recorded pipeline names what ran
-            object.__setattr__(self, "relay", default_relay(self.mode))
+        if self.mode not in ("p2p", "ring", "allgather", "a2a"):
+            raise PlanError(f"comm: mode must be p2p, ring, allgather or a2a, got {self.mode!r}")
+        if self.relay not in ("none", "node"):
+            raise PlanError(f"comm: relay must be none or node, got {self.relay!r}")
         if self.relay == "node" and self.mode != "p2p":
             raise PlanError(f"comm: relay=node needs mode=p2p (got mode={self.mode})")
 
@@ -157,6 +172,9 @@ class Comm(Pass):
         need = needed_transfers(g, pl)
         if self.relay == "node" and pl.nodes > 1:
             return ir.with_levels(schedule=self._relayed(g, pl, need))
+        if self.mode == "a2a":
+            xfer = np.concatenate([_rows(X_Q, need[X_Q], 0), _rows(X_KV, need[X_KV], 0), _rows(X_O, need[X_O], 0)])
+            return ir.with_levels(schedule=Schedule(1, np.zeros(g.n_cb, np.int64), xfer, collective=True))
         if self.mode == "p2p" or pl.devices == 1:
             stages = 1
             kv = _rows(X_KV, need[X_KV], 0)
@@ -187,10 +205,14 @@ class Comm(Pass):
 class Overlap(Pass):
     """Post each stage's transfers during the previous stage's compute, wait
     for a block right before its first use, and send partial outputs home as
-    soon as they are final (see :mod:`attnplan.passes.emit`)."""
+    soon as they are final (see :mod:`attnplan.passes.emit`); a collective
+    schedule (``comm{mode=a2a}``) stays as it is."""
 
     name = "overlap"
     needs = ("graph", "placement", "schedule")
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        return ir.with_levels(schedule=dataclasses.replace(ir.need_schedule(), overlap=True))
+        s = ir.need_schedule()
+        if s.collective:  # an all-to-all is a blocking exchange: nothing to overlap
+            return ir
+        return ir.with_levels(schedule=dataclasses.replace(s, overlap=True))

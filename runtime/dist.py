@@ -19,7 +19,8 @@ verifier proves every pair posts its sends and receives in the same order,
 and ``match="order"`` runs the programs that way on gloo — every message
 with tag 0 — which tests/test_distributed.py checks for every strategy.
 The kernels are CPU-only for now, so CUDA tensors are refused before any
-transfer.)
+transfer.) A collective schedule (``comm{mode=a2a}``) runs its messages as
+two ``all_to_all_single`` a phase instead (:mod:`attnplan.runtime.collective`).
 
 Backward transfers are issued by :class:`DistAttention`'s backward, a custom
 ``torch.autograd.Function``, in the plan's order on every rank — never by
@@ -62,6 +63,7 @@ from ..ir.interp import message_key
 from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD, PHASES
 from . import layout
+from .collective import CollectiveTransport
 from .executor import check_inputs, expand_kv, resolve_scale
 from .kernels import settle_rows_without_mass
 from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, pack
@@ -338,8 +340,12 @@ class _Call:
     def run(self, phase: int, tensors: dict, dtype) -> None:
         g, prog = self.ir.graph, self.ir.program
         row0 = layout.local_row0(self.ir, self.device)
-        tr = _LocalTransport() if self.info is None else \
-            TorchTransport(prog, self.device, self.info, self.generation, self.timeout, self.match)
+        if self.info is None:
+            tr: Any = _LocalTransport()
+        elif self.ir.schedule.collective:  # comm{mode=a2a}: each exchange one all_to_all_single
+            tr = CollectiveTransport(prog, phase, self.device, self.info, self.timeout)
+        else:
+            tr = TorchTransport(prog, self.device, self.info, self.generation, self.timeout, self.match)
         runner = DeviceRunner(g, prog, phase, self.device, home_bindings(g, prog, phase, self.device, tensors, row0),
                               tr, self.scale, dtype, self.timings, self.compute)
         runner.run()

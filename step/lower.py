@@ -26,6 +26,7 @@ from ..ir.module import PlanIR
 from ..ir.problem import Problem
 from ..ir.program import BBYTES, BWD, FWD
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategies
+from ..passes.comm import default_comm
 from .ir import StepPlan, StepProblem
 from .mesh import Mesh
 from .model import Model, load_model
@@ -36,7 +37,7 @@ def pipeline_text(strategy: str, block_size: int) -> str:
     return ",".join([
         f"tile{{block={block_size}}}",                       # token blocks per sample, the block graph
         strategy,                                           # placement
-        f"comm{{mode={REGISTRY[strategy].default_comm}}}",  # transfers
+        f"comm{{{default_comm(REGISTRY[strategy].default_comm)}}}",  # transfers (p2p + node relays, or ring)
         "overlap",                                          # next stage's transfers fly during compute
         "emit",                                             # per-device instruction streams, fwd + bwd
     ])

@@ -33,8 +33,15 @@ def equals_in_process(rank, world, cases, strategies, match="tag", over=None):
     """Every (case index, strategy): the local out/dq/dk/dv and the gathered
     global ones equal the in-process executor's bit for bit (``over``: compile
     options that replace the defaults, e.g. ``kv_heads``). Returns the failures
-    and how many ran (with the KV-head copies of each plan that ran)."""
-    bad, ran, reps = [], 0, []
+    and how many ran (with the KV-head copies of each plan that ran, and the
+    all_to_all_single calls each made: comm{mode=a2a} runs as collectives)."""
+    bad, ran, reps, a2a = [], 0, [], []
+    real, calls = torch.distributed.all_to_all_single, [0]
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return real(*args, **kw)
+    torch.distributed.all_to_all_single = counted
     for ci in cases:
         case = CASES[ci]
         for s in strategies:
@@ -45,9 +52,11 @@ def equals_in_process(rank, world, cases, strategies, match="tag", over=None):
                     continue
                 raise
             q, k, v, dout = random_inputs(plan, case["dtype"], ci)
+            before = calls[0]
             ql, kl, vl = (plan.dispatch(t).requires_grad_(True) for t in (q, k, v))
             out = attnplan.attention(ql, kl, vl, plan, timeout=60, match=match)
             grads = torch.autograd.grad(out, (ql, kl, vl), plan.dispatch(dout))
+            a2a.append(calls[0] - before)
             full = [plan.undispatch(x.detach()) for x in (out, *grads)]
             if rank == 0:  # the in-process executor, once
                 qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
@@ -60,7 +69,8 @@ def equals_in_process(rank, world, cases, strategies, match="tag", over=None):
                         bad.append(f"case {ci} {s}: gathered {name} differs")
             ran += 1
             reps.append(plan.ir.graph.kv_rep)
-    return {"bad": bad, "ran": ran, "kv_rep": reps}
+    torch.distributed.all_to_all_single = real
+    return {"bad": bad, "ran": ran, "kv_rep": reps, "a2a_calls": a2a}
 
 
 def autograd_training_step(rank, world):

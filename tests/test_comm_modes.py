@@ -93,8 +93,8 @@ def test_allgather_sends_every_kv_block_to_every_other_device_once():
 
 
 def test_comm_mode_error_names_the_modes():
-    with pytest.raises(attnplan.PlanError, match="p2p, ring or allgather"):
-        _compile([100], 2, pipeline="tile{block=16},zigzag,comm{mode=a2a},emit")
+    with pytest.raises(attnplan.PlanError, match="p2p, ring, allgather or a2a"):
+        _compile([100], 2, pipeline="tile{block=16},zigzag,comm{mode=alltoall},emit")
 
 
 @given(st.lists(st.integers(1, 900), min_size=1, max_size=8), st.sampled_from(["zigzag", "minheap", "per_doc"]),
@@ -122,7 +122,8 @@ def test_relay_crosses_each_remote_node_once_per_block(lens, strategy, mesh):
 
 
 def test_relay_is_the_p2p_default_and_spreads_over_the_nodes_links():
-    """``relay=auto`` (the default) relays p2p traffic and keeps ring as it is;
+    """Default pipelines relay p2p traffic across nodes and keep ring as it is
+    (an explicit ``comm{mode=p2p}`` does not relay);
     the block that crosses goes to a different device of the remote node
     block by block, so a node's inbound inter-node bytes are spread over its
     devices (always the lowest device put them all on one link)."""
@@ -130,6 +131,8 @@ def test_relay_is_the_p2p_default_and_spreads_over_the_nodes_links():
     plan = _compile(lens, 8, 2, strategy="per_doc")
     assert "comm{mode=p2p,relay=node}" in plan.meta["pipeline"]
     assert "comm{mode=ring,relay=none}" in _compile(lens, 8, 2, strategy="zigzag").meta["pipeline"]
+    explicit = _compile(lens, 8, 2, pipeline="tile{block=16},per_doc,comm{mode=p2p},emit")
+    assert "relay=none" in explicit.meta["pipeline"] and explicit.ir.schedule.stages == 1
     x = plan.ir.schedule.xfer
     inputs = x[(x[:, XK] != 2) & ((x[:, XSRC] // 4) != (x[:, XDST] // 4))]
     got = np.bincount(inputs[:, XDST], minlength=8)
@@ -137,6 +140,34 @@ def test_relay_is_the_p2p_default_and_spreads_over_the_nodes_links():
     assert got.max() <= 2 * got.min(), got
     single = _compile(lens, 4, 1, strategy="per_doc")  # one node: nothing to relay, one stage
     assert single.ir.schedule.stages == 1
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "minheap", "hypergraph"])
+def test_a2a_moves_what_p2p_moves_in_one_blocking_exchange(strategy):
+    """``comm{mode=a2a}``: the blocks of p2p without relays, one stage, no
+    overlap even after the overlap pass (an all-to-all blocks), so every
+    device posts all its data messages before its first wait; same bytes
+    and messages as p2p."""
+    from attnplan.ir.program import A1, B_KV, FWD, M_PHASE, M_START, OP, RECV, SEND, T_KIND, WAIT
+    kw = dict(seqlens=[300, 120, 40], devices=4, nodes=2, heads=8, kv_heads=4, head_dim=8)
+    a2a = attnplan.compile(pipeline=f"tile{{block=32}},{strategy},comm{{mode=a2a}},overlap,emit", **kw)
+    p2p = attnplan.compile(pipeline=f"tile{{block=32}},{strategy},comm{{mode=p2p,relay=none}},overlap,emit", **kw)
+    s = a2a.ir.schedule
+    assert s.collective and s.stages == 1 and not s.overlap
+    key = lambda x: sorted(map(tuple, x[:, :5].tolist()))  # noqa: E731
+    assert key(s.xfer) == key(p2p.ir.schedule.xfer)
+    a, b = a2a.stats(), p2p.stats()
+    assert a["comm_bytes_total"] == b["comm_bytes_total"] and a["messages"] == b["messages"]
+    prog = a2a.ir.program
+    m = prog.messages[prog.messages[:, M_PHASE] == FWD]
+    data = set(m[prog.transfers[m[:, M_START], T_KIND] <= B_KV][:, 0].tolist())
+    assert data
+    for d in range(4):
+        c = prog.code[FWD][d]
+        posts = np.flatnonzero(np.isin(c[:, OP], (SEND, RECV)) & np.isin(c[:, A1], list(data)))
+        waits = np.flatnonzero(c[:, OP] == WAIT)
+        if len(posts):  # every data post of this device before its first wait
+            assert posts.max() < waits.min()
 
 
 def test_relay_needs_p2p():

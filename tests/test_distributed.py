@@ -121,6 +121,20 @@ def test_kv_head_copies_run_on_processes():
         assert [b for r in res for b in r["bad"]] == []
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a2a_runs_as_all_to_all_collectives(world):
+    """``comm{mode=a2a}``: every rank runs each phase's data and partials as
+    one ``all_to_all_single`` each (4 per attention call, forward and
+    backward, whatever the rank exchanges), and out/dq/dk/dv equal the
+    in-process executor bit for bit (Ulysses' all-to-all, and minheap's
+    blocks moved the same way)."""
+    pipes = ["tile{block={block}},ulysses,comm{mode=a2a},overlap,emit", "tile{block={block}},minheap,comm{mode=a2a},emit"]
+    res = ok(run_local(f"{CASES}:equals_in_process", world, ([0, 1, 3], pipes, "tag", {"heads": 6, "kv_heads": 6}), timeout=240))
+    assert all(r["ran"] == 6 for r in res)
+    assert all(r["a2a_calls"] == [4] * 6 for r in res), [r["a2a_calls"] for r in res]
+    assert [b for r in res for b in r["bad"]] == []
+
+
 def test_match_mode_is_validated():
     """A bad mode is one typed error (the verifier's posting-order check is
     tested in tests/test_verify.py)."""

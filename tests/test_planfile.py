@@ -96,6 +96,25 @@ def test_round_trip_kv_head_copies():
     assert back.stats()["comm_bytes_total"] == p.stats()["comm_bytes_total"]
 
 
+def test_round_trip_collective_schedule():
+    """``comm{mode=a2a}``: the file says ``schedule.collective``; other plans
+    do not write the key (their bytes are those of before)."""
+    p = attnplan.compile(seqlens=[60, 20], devices=4, heads=4, kv_heads=4, head_dim=8, block_size=16,
+                         pipeline="tile{block=16},ulysses,comm{mode=a2a},overlap,emit")
+    assert _body(p.to_bytes())["schedule"]["collective"] is True
+    assert "collective" not in _body(attnplan.compile(**KW).to_bytes())["schedule"]
+    back = _load(p.to_bytes())
+    assert back.ir.schedule.collective and not back.ir.schedule.overlap and back.to_bytes() == p.to_bytes()
+
+
+def test_collective_flag_on_a_staged_overlapped_plan_does_not_verify(data):
+    body = _body(data)
+    body["schedule"]["collective"] = True  # the runtime would run its staged messages as all-to-alls
+    with pytest.raises(PlanFileError, match=r"plan does not verify: invariant 3: a collective schedule "
+                                            r"\(comm\{mode=a2a\}\) has one stage and no overlap"):
+        _load(_repack(body))
+
+
 def test_kv_rep_that_does_not_match_the_head_groups_does_not_verify(data):
     body = _body(data)
     body["graph"]["kv_rep"] = 2  # 4 query heads over 2 x 2 copies is a valid shape, but hg_end says 2 kv heads
@@ -599,6 +618,7 @@ CRAFTED = [
     (("graph", "kv_rep"), 3, r"graph\.kv_rep = 3: problem\.heads \(4\) is not a multiple of kv_heads x kv_rep \(6\)"),
     (("graph", "kv_rep"), "2", r"graph\.kv_rep must be an integer"),
     (("graph", "kv_rep"), 0, r"graph\.kv_rep = 0 is outside \[1, 4096\]"),
+    (("schedule", "collective"), 1, r"schedule\.collective must be a boolean"),
 ]
 
 

@@ -144,10 +144,11 @@ def _routes(g, pl, need, mode: str, relay: str) -> tuple[np.ndarray, np.ndarray,
     return q, np.zeros(len(q), np.int64), kv, np.zeros(len(kv), np.int64)
 
 
-def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str = "auto") -> Estimate:
+def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None) -> Estimate:
     """The bound of step 2 of the module doc for a placed IR (graph and
     placement) under the cost profile ``prof``, its transfers routed as
-    ``comm{mode=comm_mode,relay=relay}`` would route them."""
+    ``comm{mode=comm_mode,relay=relay}`` would route them (``relay`` None:
+    the default pipeline's, :func:`attnplan.passes.comm.default_relay`)."""
     g, pl = ir.need_graph(), ir.need_placement()
     n, per_node = pl.devices, pl.devices_per_node
     rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
@@ -156,7 +157,7 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str = "auto") -> E
     compute = np.bincount(pl.cb_device, weights=fwd_cb, minlength=n) + prof.launch_s * launches(blocks, prof) / rate
     need = needed_transfers(g, pl)
     o, dkv = need[X_O], need[X_KV]
-    q, q_hop, kv, hop = _routes(g, pl, need, comm_mode, default_relay(comm_mode) if relay == "auto" else relay)
+    q, q_hop, kv, hop = _routes(g, pl, need, comm_mode, default_relay(comm_mode) if relay is None else relay)
     PARTIAL = -1  # partials travel apart from data (a group of their own)
 
     def part(rows: np.ndarray, phase: int, kind: int, group, reverse: bool = False):

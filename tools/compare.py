@@ -17,11 +17,12 @@ from ..api import default_pipeline
 from ..errors import AttnplanError, PlanError
 
 COMM_VARIANTS = {  # name:variant -> the options of the comm step
-    "p2p": "mode=p2p",                    # each block straight to the devices that need it; relays across nodes
+    "p2p": "mode=p2p,relay=node",         # the default of p2p strategies: straight to the devices, relays across nodes
     "relay": "mode=p2p,relay=node",       # the same, relays named (DCP's two-phase inter-node transfer)
     "direct": "mode=p2p,relay=none",      # p2p without relays: every remote device gets its own crossing
     "ring": "mode=ring",                  # KV one hop a stage round the ring (ring-flash-attn, TransformerEngine)
     "allgather": "mode=allgather",        # every KV block to every device first (Llama 3, TE's all_gather CP)
+    "a2a": "mode=a2a",                    # p2p's blocks as two all-to-alls a phase (DeepSpeed-Ulysses, yunchang)
 }
 
 
