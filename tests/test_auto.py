@@ -80,16 +80,32 @@ def auto_kwargs(seqlens, mask="causal"):
                 max_compute_blocks=limits.MAX_COMPUTE_BLOCKS)
 
 
+def compile_candidate(key: str, **kw):
+    """``compile`` of an auto candidate: ``name`` (its default pipeline) or
+    ``name:direct`` (the default pipeline with ``comm{mode=p2p}``)."""
+    name, _, variant = key.partition(":")
+    if variant == "direct":
+        return attnplan.compile(pipeline=default_pipeline(name, kw["block_size"], "mode=p2p"), **kw)
+    assert variant == "", key
+    return attnplan.compile(strategy=name, **kw)
+
+
+def candidate_keys(nodes: int) -> list[str]:
+    """Every schedule auto tries: each strategy, and p2p strategies without relays on several nodes."""
+    direct = [f"{n}:direct" for n in NAMES if REGISTRY[n].default_comm == "p2p"] if nodes > 1 else []
+    return list(NAMES) + direct
+
+
 def exhaustive_choice(seqlens, devices, nodes, mask, profile="h100") -> str:
-    """Compile every strategy, keep the lowest predicted time (ties by name)."""
+    """Compile every candidate, keep the lowest predicted time (ties by name)."""
     pred = {}
-    for name in NAMES:
+    for key in candidate_keys(nodes):
         try:
-            plan = attnplan.compile(seqlens=seqlens, mask=mask, devices=devices, nodes=nodes, block_size=256,
-                                    strategy=name, profile=profile, **SHAPE)
+            plan = compile_candidate(key, seqlens=seqlens, mask=mask, devices=devices, nodes=nodes, block_size=256,
+                                     profile=profile, **SHAPE)
         except attnplan.PlanError:
             continue
-        pred[name] = simulate(plan.ir, plan.profile)["predicted_s"]
+        pred[key] = simulate(plan.ir, plan.profile)["predicted_s"]
     return min(pred, key=lambda n: (pred[n], n))
 
 
@@ -101,6 +117,19 @@ def test_auto_chooses_what_the_exhaustive_search_chooses(lens, devices, mask):
     plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, nodes=nodes, block_size=256,
                             strategy="auto", **SHAPE)
     assert plan.meta["strategy"] == "auto:" + exhaustive_choice(lens, devices, nodes, mask)
+
+
+def test_direct_variants_are_candidates_on_several_nodes():
+    """On two nodes every p2p strategy is also tried without node relays; the
+    winner and every simulated candidate are what compile gives for them."""
+    kw = dict(KW, devices=4, nodes=2)
+    m = attnplan.compile(strategy="auto", **kw).meta
+    keys = set(m["candidates"]) | set(m["pruned"]) | set(m["estimates"])
+    assert "minheap:direct" in keys and "zigzag:direct" not in keys  # zigzag's default is the ring
+    assert {k.split(":")[0] for k in set(m["candidates"]) | set(m["pruned"])} == set(NAMES)
+    for key, pred in m["candidates"].items():
+        assert pred == simulate(compile_candidate(key, **kw).ir, get_profile("h100"))["predicted_s"], key
+    assert m["strategy"] == "auto:" + min(m["candidates"], key=lambda n: (m["candidates"][n], n))
 
 
 def test_keep_forces_more_candidates_and_changes_nothing_else():
@@ -211,10 +240,10 @@ def test_a_candidate_that_fails_to_finish_is_reported_and_the_next_one_is_tried(
     ranked = sorted(est, key=lambda n: (est[n], n))
     chosen = set(first["candidates"]) if len(first["candidates"]) < len(est) else {ranked[0]}
 
-    def failing(p, kwargs, prof):
+    def failing(p, kwargs, prof, comm=None):
         if p.name in chosen:
             raise attnplan.PlanError(f"{p.name}: no room")
-        return real(p, kwargs, prof)
+        return real(p, kwargs, prof, comm)
 
     monkeypatch.setattr(auto, "finish", failing)
     plan = attnplan.compile(strategy="auto", **KW)

@@ -50,8 +50,14 @@ than the best simulated plan's whole makespan cannot win.
    ``tests/test_auto.py`` checks the bounds and the choice. ``keep`` forces
    at least that many to be finished.
 
+A placed strategy enters the search as one candidate per schedule auto
+tries for it (:func:`tails`): its default pipeline, and, for a p2p
+strategy on several nodes, ``name:direct`` (no node relays), each bounded
+by its own estimate.
+
 The chosen plan's IR and pipeline are exactly those of ``compile(strategy=
-winner)``. Its ``meta`` records, as pure functions of the inputs (no
+winner)``, or for ``name:direct`` of ``compile`` of its default pipeline
+with ``comm{mode=p2p}``. Its ``meta`` records, as pure functions of the inputs (no
 timings): ``candidates`` (predicted seconds of the simulated ones),
 ``estimates`` (the estimate of every strategy that was placed) and
 ``pruned`` (strategy → why it was not simulated: its bound — a preview
@@ -288,13 +294,29 @@ def preview(strategy_pass, tiled: PlanIR, prof) -> float:
     return segment_bound(tiled, starts, devices, prof)
 
 
-def finish(p: Placed, kwargs: dict, prof) -> tuple[PlanIR, list, float]:
-    """The rest of ``p``'s default pipeline from its placement, and the
-    simulation: (IR, the whole pipeline's passes, predicted seconds)."""
+def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
+    """The schedules auto tries for a placed strategy, as (candidate name,
+    comm options or None for the default pipeline's, lower bound): the
+    default, and for a p2p strategy on several nodes the same transfers
+    without node relays (``name:direct``; the relay wins the median but
+    loses on some batches: its relayed blocks' compute waits for a second
+    stage). ``divide`` and turning ``overlap`` off are not tried: on the
+    128K batches at 8 devices neither ever predicted a faster plan."""
+    out = [(p.name, None, p.total_s)]
+    mode = REGISTRY[p.name].default_comm
+    if p.ir is not None and mode == "p2p" and p.ir.nodes > 1 and default_relay(mode) != "none":
+        out.append((f"{p.name}:direct", "mode=p2p", estimate(p.ir, prof, mode, "none").total_s))
+    return out
+
+
+def finish(p: Placed, kwargs: dict, prof, comm: str | None = None) -> tuple[PlanIR, list, float]:
+    """The rest of ``p``'s default pipeline (its comm step's options replaced
+    by ``comm``, if given) from its placement, and the simulation: (IR, the
+    whole pipeline's passes, predicted seconds)."""
     from ..api import default_pipeline
     if p.ir is None:
         raise PlanError(f"{p.name} has no placement to finish ({p.error})")
-    passes = parse_pipeline(default_pipeline(p.name, kwargs["block_size"]))
+    passes = parse_pipeline(default_pipeline(p.name, kwargs["block_size"], comm))
     ir = run_pipeline(p.ir, _split(passes)[1], verify_each=kwargs["verify"], instruments=kwargs["instruments"],
                       max_compute_blocks=kwargs["max_compute_blocks"])
     return ir, passes, simulate(ir, prof)["predicted_s"]
@@ -335,24 +357,27 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
     while heap:
         bound, name, p = heapq.heappop(heap)
         if best is not None and len(candidates) >= keep and bound > candidates[best[0]] * (1 + _REL):
-            for b, n, q in [(bound, name, p)] + sorted(heap):
+            for b, n, q in [(bound, name, p)] + sorted(heap, key=lambda e: (e[0], e[1])):
                 how = "" if q is not None else " from its segments, before placing"
                 pruned[n] = (f"lower bound {b * 1e3:.4g} ms{how} > {candidates[best[0]] * 1e3:.4g} ms, the "
                              f"predicted time of {best[0]}")
             break
         if p is None:
             tile, strat = heads[name]
-            p = place(name, tiled_by[tile.spec()], strat, kwargs, prof)
-            seconds[name] += p.seconds
-            if p.estimate is None:
-                pruned[name] = p.error
-            else:
-                estimates[name] = p.total_s
-                heapq.heappush(heap, (p.total_s, name, p))
+            placed = place(name, tiled_by[tile.spec()], strat, kwargs, prof)
+            seconds[name] += placed.seconds
+            if placed.estimate is None:
+                pruned[name] = placed.error
+                continue
+            t0 = time.perf_counter()
+            for key, comm, b in tails(placed, prof):
+                estimates[key] = b
+                heapq.heappush(heap, (b, key, (placed, comm)))
+            seconds[name] += time.perf_counter() - t0
             continue
         t0 = time.perf_counter()
         try:
-            ir, passes, candidates[name] = finish(p, kwargs, prof)
+            ir, passes, candidates[name] = finish(p[0], kwargs, prof, p[1])
         except PlanError as e:
             pruned[name] = _reason(e)
             continue
