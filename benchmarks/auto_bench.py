@@ -6,7 +6,8 @@ For every batch of ``batches.jsonl`` (the 128K and 512K batches) at 8 devices
 repeat running, one after the other:
 
 * the exhaustive search: compile every strategy alone (its compile seconds)
-  and simulate it (its predicted time); the one with the lowest predicted
+  — and at 32 devices every p2p strategy also without node relays
+  (``name:direct``), as auto tries them — and simulate it (its predicted time); the one with the lowest predicted
   time is the exhaustive choice (ties by name, as ``auto``);
 * ``compile(strategy="auto")`` (tools/auto.py), timed the same way.
 
@@ -41,7 +42,9 @@ import time
 from pathlib import Path
 
 import attnplan
+from attnplan.api import default_pipeline
 from attnplan.backends.cost import simulate
+from attnplan.passes import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(heads=8, kv_heads=2, head_dim=128, block_size=2048)
@@ -49,14 +52,25 @@ PROFILE = "h100"
 
 
 def compile_(seqlens, devices: int, mask: str, strategy: str):
-    return attnplan.compile(seqlens, mask, devices=devices, nodes=max(1, devices // 8), strategy=strategy,
-                            profile=PROFILE, **SHAPE)
+    """``strategy``: a name, ``auto``, or ``name:direct`` (auto's candidate without node relays)."""
+    name, _, variant = strategy.partition(":")
+    how = dict(pipeline=default_pipeline(name, SHAPE["block_size"], "mode=p2p")) if variant == "direct" else \
+        dict(strategy=strategy)
+    return attnplan.compile(seqlens, mask, devices=devices, nodes=max(1, devices // 8), profile=PROFILE, **how,
+                            **SHAPE)
+
+
+def candidates(devices: int) -> list[str]:
+    """What auto chooses from: every strategy, and on several nodes every p2p one without relays."""
+    names = list(attnplan.strategies())
+    direct = [f"{n}:direct" for n in names if REGISTRY[n].default_comm == "p2p"] if devices > 8 else []
+    return names + direct
 
 
 def exhaustive(seqlens, devices: int, mask: str) -> dict:
-    """Every strategy compiled alone and simulated: {name: {compile_s, simulate_s, predicted_s} or error}."""
+    """Every candidate compiled alone and simulated: {name: {compile_s, simulate_s, predicted_s} or error}."""
     out: dict = {}
-    for name in attnplan.strategies():
+    for name in candidates(devices):
         t = time.perf_counter()
         try:
             plan = compile_(seqlens, devices, mask, name)
