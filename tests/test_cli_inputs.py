@@ -146,6 +146,33 @@ def test_device_count_over_nodes_is_checked_before_compare(capsys):
     assert out == ""  # not a table of per-strategy errors with exit 0
 
 
+@pytest.mark.parametrize("entry, needle", [("zigzag:a2b", "unknown communication variant 'a2b'"),
+                                           ("zigzag:", "unknown communication variant ''"),
+                                           ("zigzg:ring", "unknown strategy 'zigzg'"), (",", "no strategy in")])
+def test_compare_variants_are_checked(capsys, entry, needle):
+    code, out, err, _ = run(capsys, "compare", "--seqlens", "100", "--devices", "2", "--strategies", entry)
+    assert_one_line_error(code, err, needle)
+    assert out == ""
+
+
+def test_compare_runs_a_placement_under_each_communication_variant(capsys):
+    """``NAME:VARIANT`` rows are the same placement with another comm step:
+    the same compute imbalance, the pipeline the variant names."""
+    import json
+    entries = "minheap,minheap:direct,minheap:ring,minheap:allgather,minheap:a2a,ulysses:a2a"
+    code, out, err, _ = run(capsys, "compare", "--seqlens", "300,200,50", "--devices", "4", "--nodes", "2",
+                            "--heads", "4", "--kv-heads", "4", "--strategies", entries, "--json")
+    assert code == 0, err
+    rows = {r["strategy"]: r for r in json.loads(out)}
+    assert list(rows) == entries.split(",")
+    assert "comm{mode=p2p,relay=node}" in rows["minheap"]["pipeline"]
+    for variant, comm in (("direct", "mode=p2p,relay=none"), ("ring", "mode=ring"), ("allgather", "mode=allgather"),
+                          ("a2a", "mode=a2a")):
+        r = rows[f"minheap:{variant}"]
+        assert f"comm{{{comm}" in r["pipeline"], r["pipeline"]
+        assert r["compute_imbalance"] == rows["minheap"]["compute_imbalance"]
+
+
 def test_show_device_out_of_range(capsys, small_plan):
     code, out, err, _ = run(capsys, "show", small_plan, "--device", "999")
     assert_one_line_error(code, err, "device 999 does not exist", "0..1")
