@@ -132,6 +132,21 @@ def test_direct_variants_are_candidates_on_several_nodes():
     assert m["strategy"] == "auto:" + min(m["candidates"], key=lambda n: (m["candidates"][n], n))
 
 
+def test_a_segment_strategy_over_the_block_limit_is_refused_before_placing():
+    """The preview's per-q-block tile counts bound the compute blocks from
+    below: a limit under that bound refuses per_doc before it builds
+    anything, and compiling per_doc alone under that limit fails too."""
+    lens = [40] * 60
+    kw = dict(seqlens=lens, devices=8, block_size=256, **SHAPE)
+    blocks = attnplan.compile(strategy="per_doc", **kw).ir.graph.n_cb
+    limit = blocks // 2
+    m = attnplan.compile(strategy="auto", max_compute_blocks=limit, **kw).meta
+    assert "counted from its segments, before placing" in m["pruned"]["per_doc"]
+    assert "per_doc" not in m["estimates"]
+    with pytest.raises(attnplan.PlanError, match="over the limit"):
+        attnplan.compile(strategy="per_doc", max_compute_blocks=limit, **kw)
+
+
 def test_keep_forces_more_candidates_and_changes_nothing_else():
     kw = auto_kwargs(LONG_TAIL)
     one, every = auto.compile_auto(kw), auto.compile_auto(kw, keep=len(NAMES))

@@ -194,7 +194,8 @@ def row_tiles(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return out
 
 
-def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof) -> float:
+def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
+                  max_blocks: int | None = None) -> float:
     """A lower bound of :func:`estimate` for a strategy that homes segments
     ``[starts[i], starts[i+1])`` on ``devices[i]`` and computes where Q lives
     (``place_segments`` with its default compute), from the segments alone —
@@ -204,7 +205,11 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof) 
     all of its rows' pairs (unrounded: tile rounding only adds).
     Forward + backward of the busiest device: ``estimate`` takes at least
     each phase's compute maximum, and the backward is the forward ×
-    ``bwd_factor`` device by device. Costs one pass over (piece, q block)."""
+    ``bwd_factor`` device by device. Costs one pass over (piece, q block).
+    Those counts also bound the compute blocks the placement would make:
+    over ``max_blocks`` it raises the PlanError placing would raise, before
+    building anything (per_doc on 4M tokens at 32 devices: 4 s to fail
+    otherwise)."""
     g, n = tiled.need_graph(), tiled.devices
     cuts = unique(np.concatenate([g.tb_start, np.asarray(starts, np.int64), [tiled.problem.tokens]]))
     rows, _, qb = q_block_rows(tiled.problem.pieces.a, cuts[:-1], cuts[1:])
@@ -214,6 +219,9 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof) 
     order = np.lexsort((per_row, qb))  # by q block, its largest count last
     last = np.flatnonzero(np.diff(np.append(qb[order], -1)))  # each q block's largest count
     blocks = np.bincount(dev[qb[order][last]], weights=per_row[order][last], minlength=n) * g.n_hg
+    if max_blocks is not None and blocks.sum() > max_blocks:
+        raise PlanError(f"the placement would make at least {int(blocks.sum()):,} compute blocks, over the limit of "
+                        f"{max_blocks:,} (counted from its segments, before placing)")
     p = tiled.problem
     rate = DTYPE_EFFICIENCY.get(p.dtype, 1.0)
     fwd = (prof.launch_s * launches(blocks, prof) + 4.0 * p.head_dim * p.heads * pairs / prof.flops) / rate
@@ -283,7 +291,7 @@ def place(name: str, tiled: PlanIR, strategy_pass, kwargs: dict, prof) -> Placed
     return Placed(name, ir, est, seconds=time.perf_counter() - t0)
 
 
-def preview(strategy_pass, tiled: PlanIR, prof) -> float:
+def preview(strategy_pass, tiled: PlanIR, prof, max_blocks: int | None = None) -> float:
     """Step 0: :func:`segment_bound` of a strategy whose pass exposes its
     segments (``segments(ir)``: zigzag, per_doc, dacp), else 0 (it must be
     placed to be bounded). Raises the strategy's PlanError."""
@@ -291,7 +299,7 @@ def preview(strategy_pass, tiled: PlanIR, prof) -> float:
     if segments is None:
         return 0.0
     starts, devices = segments(tiled)
-    return segment_bound(tiled, starts, devices, prof)
+    return segment_bound(tiled, starts, devices, prof, max_blocks)
 
 
 def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
@@ -347,7 +355,8 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
         try:
             if tile.spec() not in tiled_by:
                 tiled_by[tile.spec()] = _run(base, [tile], kwargs)
-            heapq.heappush(heap, (preview(strat, tiled_by[tile.spec()], prof), name, None))
+            bound = preview(strat, tiled_by[tile.spec()], prof, kwargs["max_compute_blocks"])
+            heapq.heappush(heap, (bound, name, None))
         except PlanError as e:
             pruned[name] = _reason(e)
         seconds[name] = time.perf_counter() - t0
