@@ -29,7 +29,8 @@ Either way each partial O goes from a computing device to the Q block's home
 once, after its last write.
 
 ``relay=node`` (with ``p2p``; the default pipelines of p2p strategies use
-it, :func:`default_comm`; DCP's two-phase inter-node transfer, Jiang et al. 2025 §4): a Q or KV block that several devices of one remote node need
+it, :func:`default_comm`; DCP's two-phase inter-node transfer, Jiang et al.
+2025 §4): a Q or KV block that several devices of one remote node need
 crosses the inter-node link once, to one of those devices (rotating over
 them block by block, so that every device's inter-node link carries a
 share; always the lowest put a node's whole inbound traffic on one link), in
