@@ -49,7 +49,7 @@ class CollectiveTransport:
         self.exchange = exchanges(program, phase)
         rows = program.messages[program.messages[:, M_PHASE] == phase]
         mine = rows[(rows[:, M_SRC] == device) | (rows[:, M_DST] == device)]
-        self.expected = [set(), set()]  # this device's messages of each exchange
+        self.expected: list[set[int]] = [set(), set()]  # this device's messages of each exchange
         for mid in mine[:, M_ID].tolist():
             self.expected[self.exchange[mid]].add(mid)
         self.posted: dict[int, tuple[int, torch.Tensor, bool]] = {}  # id -> (peer, flat, is send)
@@ -83,7 +83,8 @@ class CollectiveTransport:
             raise PlanError(f"device {self.device}: {message_key(self.program, missing[0])} is not posted when its "
                             f"all-to-all runs: the program is not shaped for comm{{mode=a2a}}")
         n = len(self.info.ranks)
-        send, recv = [None] * n, [None] * n
+        send: list[torch.Tensor | None] = [None] * n
+        recv: list[torch.Tensor | None] = [None] * n
         for mid in self.expected[x]:
             peer, flat, is_send = self.posted.pop(mid)
             (send if is_send else recv)[self._position(peer)] = flat

@@ -342,7 +342,7 @@ class _Call:
         row0 = layout.local_row0(self.ir, self.device)
         if self.info is None:
             tr: Any = _LocalTransport()
-        elif self.ir.schedule.collective:  # comm{mode=a2a}: each exchange one all_to_all_single
+        elif self.ir.need_schedule().collective:  # comm{mode=a2a}: each exchange one all_to_all_single
             tr = CollectiveTransport(prog, phase, self.device, self.info, self.timeout)
         else:
             tr = TorchTransport(prog, self.device, self.info, self.generation, self.timeout, self.match)

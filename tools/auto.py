@@ -310,7 +310,7 @@ def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
     loses on some batches: its relayed blocks' compute waits for a second
     stage). ``divide`` and turning ``overlap`` off are not tried: on the
     128K batches at 8 devices neither ever predicted a faster plan."""
-    out = [(p.name, None, p.total_s)]
+    out: list[tuple[str, str | None, float]] = [(p.name, None, p.total_s)]
     mode = REGISTRY[p.name].default_comm
     if p.ir is not None and mode == "p2p" and p.ir.nodes > 1 and default_relay(mode) != "none":
         out.append((f"{p.name}:direct", "mode=p2p", estimate(p.ir, prof, mode, "none").total_s))

@@ -53,10 +53,9 @@ def compare(strategies, progress=None, **compile_kwargs) -> tuple[list[dict], di
     rows, plans = [], {}
     for name in strategies:
         strategy, comm = parse_entry(name)
-        pipe = {} if comm is None else {"pipeline": default_pipeline(strategy, compile_kwargs.get("block_size", 2048),
-                                                                      comm)}
+        pipeline = None if comm is None else default_pipeline(strategy, compile_kwargs.get("block_size", 2048), comm)
         try:
-            plan = compile_plan(strategy=strategy, **pipe, **compile_kwargs)
+            plan = compile_plan(strategy=strategy, pipeline=pipeline, **compile_kwargs)
         except AttnplanError as e:
             if not isinstance(e, PlanError):
                 raise  # bad batch or mask: the same for every strategy
