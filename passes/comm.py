@@ -1,4 +1,4 @@
-"""comm{mode=p2p|ring|allgather|a2a}: derive the transfers a placement needs.
+"""comm{mode=p2p|ring|allgather|allgather_ring|a2a}: derive the transfers a placement needs.
 
 * ``p2p`` (zero-redundant, MagiAttention/DCP style): each Q and KV block goes
   from its home straight to every other device that computes with it, once;
@@ -12,15 +12,18 @@
   TransformerEngine's ``all_gather`` mode deploy it): every device receives
   every KV block from its home, needed or not, in one stage before any
   compute; the backward's dKV partials go home as before (the reduce-scatter
-  of an all-gather, restricted to the blocks that were used). One message
-  per peer after coalescing: the direct all-gather; NCCL's ring all-gather
-  moves the same bytes per device.
-
+  of an all-gather, restricted to the blocks that were used): one message per
+  peer after coalescing. ``allgather_ring``: the same gather as the
+  algorithm NCCL runs an all-gather with — every KV block forwarded one hop
+  a stage round the ring of devices (the traffic of ``mode=ring``), and every
+  compute block in the last stage, after the whole gather — so the
+  programs and the cost model carry NCCL's ring: N−1 steps, each a message
+  to the next device, the inter-node hops on the ring's path.
 * ``a2a`` (the all-to-all of DeepSpeed-Ulysses and yunchang, for any
   placement): p2p's transfers, one stage, no overlap and no relays, run as
   collectives: per phase one all-to-all of the data (Q, KV) before any
   compute and one of the partial outputs after it
-  (``torch.distributed.all_to_all_single`` in :mod:`attnplan.runtime.dist`;
+  (``torch.distributed.all_to_all_single`` in :mod:`attnplan.runtime.collective`;
   the in-process executor and the cost model see its point-to-point
   messages, which is what NCCL's all-to-all is: grouped sends and receives
   to every peer, and what it costs).
@@ -52,6 +55,9 @@ from ..ir.module import PlanIR
 from ..ir.schedule import X_KV, X_O, X_Q, Schedule
 from ..ir.verify import needed_transfers
 from .base import Pass, register
+
+
+MODES = ("p2p", "ring", "allgather", "allgather_ring", "a2a")
 
 
 def default_relay(mode: str) -> str:
@@ -161,8 +167,8 @@ class Comm(Pass):
     relay: str = "none"  # "node": DCP's two-phase inter-node transfer (p2p only; default pipelines use it)
 
     def __post_init__(self):
-        if self.mode not in ("p2p", "ring", "allgather", "a2a"):
-            raise PlanError(f"comm: mode must be p2p, ring, allgather or a2a, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise PlanError(f"comm: mode must be {', '.join(MODES[:-1])} or {MODES[-1]}, got {self.mode!r}")
         if self.relay not in ("none", "node"):
             raise PlanError(f"comm: relay must be none or node, got {self.relay!r}")
         if self.relay == "node" and self.mode != "p2p":
@@ -180,6 +186,10 @@ class Comm(Pass):
             stages = 1
             kv = _rows(X_KV, need[X_KV], 0)
             cb_stage = np.zeros(g.n_cb, np.int64)
+        elif self.mode == "allgather_ring":
+            stages = pl.devices
+            kv, _ = ring_kv(g, pl)
+            cb_stage = np.full(g.n_cb, stages - 1, np.int64)
         elif self.mode == "allgather":
             stages = 1
             kv = allgather_kv(g, pl)

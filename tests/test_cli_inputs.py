@@ -159,7 +159,7 @@ def test_compare_runs_a_placement_under_each_communication_variant(capsys):
     """``NAME:VARIANT`` rows are the same placement with another comm step:
     the same compute imbalance, the pipeline the variant names."""
     import json
-    entries = "minheap,minheap:direct,minheap:ring,minheap:allgather,minheap:a2a,ulysses:a2a"
+    entries = "minheap,minheap:direct,minheap:ring,minheap:allgather,minheap:allgather_ring,minheap:a2a,ulysses:a2a"
     code, out, err, _ = run(capsys, "compare", "--seqlens", "300,200,50", "--devices", "4", "--nodes", "2",
                             "--heads", "4", "--kv-heads", "4", "--strategies", entries, "--json")
     assert code == 0, err
@@ -167,6 +167,7 @@ def test_compare_runs_a_placement_under_each_communication_variant(capsys):
     assert list(rows) == entries.split(",")
     assert "comm{mode=p2p,relay=node}" in rows["minheap"]["pipeline"]
     for variant, comm in (("direct", "mode=p2p,relay=none"), ("ring", "mode=ring"), ("allgather", "mode=allgather"),
+                          ("allgather_ring", "mode=allgather_ring"),
                           ("a2a", "mode=a2a")):
         r = rows[f"minheap:{variant}"]
         assert f"comm{{{comm}" in r["pipeline"], r["pipeline"]

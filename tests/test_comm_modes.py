@@ -92,8 +92,27 @@ def test_allgather_sends_every_kv_block_to_every_other_device_once():
         assert st_["messages_fwd"] >= 4 * 3
 
 
+def test_allgather_ring_is_nccls_ring_then_compute():
+    """``allgather_ring``: the KV traffic of ``mode=ring`` (N-1 hops, each to
+    the next device), every compute block in the last stage; the same bytes
+    as the direct all-gather."""
+    lens = [300, 200, 77, 20]
+    for strategy in ("zigzag", "minheap"):
+        pipe = "tile{block=16},%s,comm{mode=%s},emit"
+        ag = _compile(lens, 4, 2, pipeline=pipe % (strategy, "allgather_ring"))
+        ring = _compile(lens, 4, 2, pipeline=pipe % (strategy, "ring"))
+        direct = _compile(lens, 4, 2, pipeline=pipe % (strategy, "allgather"))
+        s = ag.ir.schedule
+        assert s.stages == 4 and np.all(s.cb_stage == 3)
+        kv = s.xfer[s.xfer[:, XK] == X_KV]
+        rkv = ring.ir.schedule.xfer[ring.ir.schedule.xfer[:, XK] == X_KV]
+        assert np.array_equal(kv, rkv)
+        assert np.all(kv[:, XDST] == (kv[:, XSRC] + 1) % 4)
+        assert ag.stats()["comm_bytes_total"] == direct.stats()["comm_bytes_total"]
+
+
 def test_comm_mode_error_names_the_modes():
-    with pytest.raises(attnplan.PlanError, match="p2p, ring, allgather or a2a"):
+    with pytest.raises(attnplan.PlanError, match="p2p, ring, allgather, allgather_ring or a2a"):
         _compile([100], 2, pipeline="tile{block=16},zigzag,comm{mode=alltoall},emit")
 
 

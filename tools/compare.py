@@ -22,6 +22,7 @@ COMM_VARIANTS = {  # name:variant -> the options of the comm step
     "direct": "mode=p2p,relay=none",      # p2p without relays: every remote device gets its own crossing
     "ring": "mode=ring",                  # KV one hop a stage round the ring (ring-flash-attn, TransformerEngine)
     "allgather": "mode=allgather",        # every KV block to every device first (Llama 3, TE's all_gather CP)
+    "allgather_ring": "mode=allgather_ring",  # the same, as NCCL's ring all-gather (N-1 hops, then compute)
     "a2a": "mode=a2a",                    # p2p's blocks as two all-to-alls a phase (DeepSpeed-Ulysses, yunchang)
 }
 
