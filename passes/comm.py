@@ -35,8 +35,9 @@ once, after its last write.
 it, :func:`default_comm`; DCP's two-phase inter-node transfer, Jiang et al.
 2025 §4): a Q or KV block that several devices of one remote node need
 crosses the inter-node link once, to one of those devices (rotating over
-them block by block, so that every device's inter-node link carries a
-share; always the lowest put a node's whole inbound traffic on one link), in
+them by a counter of (block, node) groups — which, a review found, uses only
+some of a node's devices at 4+ nodes, one at 8: see ``relay_rows``; always
+the lowest put a node's whole inbound traffic on one link), in
 stage 0, and that device forwards it to the others over the node's links in
 stage 1; compute blocks that use a relayed block run in stage 1. Inter-node
 bytes then count each (block, remote node) once, and the verifier proves the
@@ -115,7 +116,10 @@ def relay_rows(kind: int, need: np.ndarray, per_node: int) -> tuple[np.ndarray, 
     gid = np.cumsum(start) - 1
     size = np.bincount(gid, minlength=int(gid[-1]) + 1 if len(gid) else 0)[gid] if len(gid) else gid
     first = np.flatnonzero(start)[gid] if len(gid) else gid
-    pick = first + gid % np.maximum(size, 1)  # the relay rotates over a group's devices: every NIC carries a share
+    # the relay rotates with the group counter; KNOWN DEFECT (review, stop 19): gid counts every (block, hg,
+    # node) group, so at 4+ nodes the position repeats and only P/gcd(K, P) of a node's P devices relay
+    # (one at 64 devices on 8 nodes); a per-node counter spreads it (busiest/mean 4.2 -> 1.33)
+    pick = first + gid % np.maximum(size, 1)
     relay_dst = dst[order][pick]
     forwarded = remote[order] & (size >= 2) & (np.arange(len(order)) != pick)
     srcs = np.where(forwarded, relay_dst, src[order])

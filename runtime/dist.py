@@ -237,7 +237,9 @@ def _fingerprint_parts(ir: PlanIR):
     p, g, prog, pl = ir.problem, ir.graph, ir.program, ir.placement
     if g is None or prog is None or pl is None:
         raise PlanError("this PlanIR has no per-device programs yet: run the pipeline through emit first")
-    yield "shape", np.array([ir.devices, p.heads, p.kv_heads, p.head_dim, prog.devices, g.kv_rep], np.int64)
+    collective = int(ir.schedule is not None and ir.schedule.collective)  # picks the transport (a2a or p2p)
+    yield "shape", np.array([ir.devices, p.heads, p.kv_heads, p.head_dim, prog.devices, g.kv_rep, collective],
+                            np.int64)
     yield "seqlens", p.seqlens
     yield "pieces", p.pieces.a
     for name in ("tb_start", "tb_end", "hg_start", "hg_end", "tile_ptr", "pieces", "cb_tile", "cb_q", "cb_k"):
