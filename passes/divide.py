@@ -59,7 +59,8 @@ class Divide(Pass):
         x = s.xfer
         forwarded = len(x) and (x[:, XSRC] != np.where(x[:, XK] == X_O, x[:, XSRC], pl.home[x[:, XTB]])).any()
         if s.stages != 1 or forwarded or s.collective:
-            raise PlanError("divide needs a single-stage point-to-point schedule: run comm{mode=p2p} before it (not a2a: an all-to-all has one stage)")
+            raise PlanError("divide needs a single-stage point-to-point schedule: run comm{mode=p2p} before it "
+                            "(not a2a: an all-to-all has one stage)")
         K = self.stages
         n = pl.devices
         home, dev = pl.home, pl.cb_device
