@@ -100,11 +100,23 @@ def allgather_kv(g, pl) -> np.ndarray:
     return rows[order].astype(np.int64).reshape(-1, 6)
 
 
+def _per_node_count(group_node: np.ndarray) -> np.ndarray:
+    """For groups in order, how many earlier groups go to the same node."""
+    order = np.argsort(group_node, kind="stable")
+    sorted_node = group_node[order]
+    first_of_node = np.searchsorted(sorted_node, sorted_node, side="left")
+    count = np.empty(len(group_node), np.int64)
+    count[order] = np.arange(len(group_node)) - first_of_node
+    return count
+
+
 def relay_rows(kind: int, need: np.ndarray, per_node: int) -> tuple[np.ndarray, np.ndarray]:
     """``need`` rows ``(tb, hg, src, dst)`` of one kind as schedule rows with
     relays: per (block, destination node) off the source's node with two or
-    more destinations, one destination (the group's ``gid mod size``-th)
-    receives in stage 0 and forwards in stage 1. Returns (rows, the relayed rows' ``(tb, hg, dst)``)."""
+    more destinations, one destination
+    receives in stage 0 and forwards in stage 1: the first at or after the
+    node's device slot ``c mod per_node`` (cyclically), ``c`` counting the
+    earlier groups bound for the same node. Returns (rows, the relayed rows' ``(tb, hg, dst)``)."""
     tb, hg, src, dst = need.T
     node = dst // per_node
     remote = node != src // per_node
@@ -116,10 +128,13 @@ def relay_rows(kind: int, need: np.ndarray, per_node: int) -> tuple[np.ndarray, 
     gid = np.cumsum(start) - 1
     size = np.bincount(gid, minlength=int(gid[-1]) + 1 if len(gid) else 0)[gid] if len(gid) else gid
     first = np.flatnonzero(start)[gid] if len(gid) else gid
-    # the relay rotates with the group counter; KNOWN DEFECT (review, stop 19): gid counts every (block, hg,
-    # node) group, so at 4+ nodes the position repeats and only P/gcd(K, P) of a node's P devices relay
-    # (one at 64 devices on 8 nodes); a per-node counter spreads it (busiest/mean 4.2 -> 1.33)
-    pick = first + gid % np.maximum(size, 1)
+    # the relay rotates over the node's device slots with a counter per destination node: the group's
+    # first destination at or after slot c mod per_node, cyclically (a counter over all groups repeats
+    # its position at 4+ nodes: only 2 of 8 devices relayed at 32 devices)
+    slot = _per_node_count(node[order][start])[gid] % per_node
+    after = (dst[order] % per_node - slot) % per_node
+    best = np.lexsort((after, gid))  # rows by group (the groups keep their positions), then distance
+    pick = best[first]
     relay_dst = dst[order][pick]
     forwarded = remote[order] & (size >= 2) & (np.arange(len(order)) != pick)
     srcs = np.where(forwarded, relay_dst, src[order])

@@ -132,6 +132,20 @@ def test_direct_variants_are_candidates_on_several_nodes():
     assert m["strategy"] == "auto:" + min(m["candidates"], key=lambda n: (m["candidates"][n], n))
 
 
+def test_direct_is_not_tried_where_the_relay_forwards_nothing():
+    """``name:direct`` is only a candidate where the default's node relays
+    forward something: otherwise the two schedules are the same plan."""
+    kw = dict(KW, devices=4, nodes=2)
+    m = attnplan.compile(strategy="auto", **kw).meta
+    prof = get_profile("h100")
+    base = attnplan.compile(strategy="minheap", **kw).ir
+    placed = auto.Placed("minheap", base, estimate(base, prof))
+    assert placed.estimate.relayed > 0 and [t[0] for t in auto.tails(placed, prof)] == ["minheap", "minheap:direct"]
+    quiet = auto.Placed("minheap", base, dataclasses.replace(placed.estimate, relayed=0))
+    assert [t[0] for t in auto.tails(quiet, prof)] == ["minheap"]
+    assert "minheap:direct" in set(m["candidates"]) | set(m["pruned"]) | set(m["estimates"])
+
+
 def test_a_segment_strategy_over_the_block_limit_is_refused_before_placing():
     """The preview's per-q-block tile counts bound the compute blocks from
     below: a limit under that bound refuses per_doc before it builds

@@ -106,6 +106,7 @@ class Estimate:
     compute_s: float   # the busiest device's forward + backward compute
     comm_s: float      # the busiest device's forward + backward send or receive queue
     comm_bytes: int    # every transfer of both phases once (what the plan's transfers will total)
+    relayed: int = 0   # Q and KV transfers forwarded inside a node (node relays)
 
     @property
     def total_s(self) -> float:
@@ -164,6 +165,7 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None)
     need = needed_transfers(g, pl)
     o, dkv = need[X_O], need[X_KV]
     q, q_hop, kv, hop = _routes(g, pl, need, comm_mode, default_relay(comm_mode) if relay is None else relay)
+    relayed = int(q_hop.sum() + hop.sum()) if comm_mode == "p2p" else 0
     PARTIAL = -1  # partials travel apart from data (a group of their own)
 
     def part(rows: np.ndarray, phase: int, kind: int, group, reverse: bool = False):
@@ -177,7 +179,7 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None)
                                                    part(dkv, BWD, B_DKV, PARTIAL, reverse=True)])
     comp_b = compute * prof.bwd_factor
     return Estimate(float(np.maximum(compute, comm_f).max()), float(np.maximum(comp_b, comm_b).max()),
-                    float((compute + comp_b).max()), float((comm_f + comm_b).max()), bytes_f + bytes_b)
+                    float((compute + comp_b).max()), float((comm_f + comm_b).max()), bytes_f + bytes_b, relayed)
 
 
 def row_tiles(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -308,11 +310,12 @@ def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
     default, and for a p2p strategy on several nodes the same transfers
     without node relays (``name:direct``; the relay wins the median but
     loses on some batches: its relayed blocks' compute waits for a second
-    stage). ``divide`` and turning ``overlap`` off are not tried: on the
+    stage), unless the relay forwards nothing. ``divide`` and turning ``overlap`` off are not tried: on the
     128K batches at 8 devices neither ever predicted a faster plan."""
     out: list[tuple[str, str | None, float]] = [(p.name, None, p.total_s)]
     mode = REGISTRY[p.name].default_comm
-    if p.ir is not None and mode == "p2p" and p.ir.nodes > 1 and default_relay(mode) != "none":
+    relays = p.estimate is not None and p.estimate.relayed > 0
+    if p.ir is not None and mode == "p2p" and relays and default_relay(mode) != "none":
         out.append((f"{p.name}:direct", "mode=p2p", estimate(p.ir, prof, mode, "none").total_s))
     return out
 
