@@ -86,6 +86,28 @@ def _seqlens(seqlens) -> np.ndarray:
     return lens
 
 
+def _batch_lengths(seqlens, seqlens_q, seqlens_k) -> tuple[np.ndarray, np.ndarray | None]:
+    """(packed lengths, query lengths or None): ``seqlens``, or cross-attention
+    samples of ``seqlens_q`` queries and ``seqlens_k`` keys (packed: queries
+    then keys, see :class:`~attnplan.ir.problem.Problem`)."""
+    if seqlens_q is None and seqlens_k is None:
+        return _seqlens(seqlens), None
+    if seqlens is not None or seqlens_q is None or seqlens_k is None:
+        raise BatchError("cross-attention takes seqlens_q and seqlens_k together, and no seqlens")
+    try:
+        q, k = _seqlens(seqlens_q), _seqlens(seqlens_k)
+    except BatchError as e:
+        raise BatchError(f"cross-attention: {e}") from None
+    if len(q) != len(k):
+        raise BatchError(f"seqlens_q has {len(q)} samples and seqlens_k {len(k)}: one query and one key length "
+                         f"per sample")
+    total = int(q.sum()) + int(k.sum())
+    if total > limits.MAX_TOKENS:
+        raise BatchError(f"the batch has {total:,} query and key tokens, over attnplan's limit of "
+                         f"{limits.MAX_TOKENS:,} (ir/limits.py)")
+    return q + k, q
+
+
 def _count_samples(n: int) -> None:
     if n == 0:
         raise BatchError("the batch has no samples")
@@ -275,21 +297,24 @@ class Plan:
         from .runtime.layout import sample_ids
         return sample_ids(self.ir, rank)
 
-    def dispatch(self, x_global, rank: int | None = None, group=None):
+    def dispatch(self, x_global, rank: int | None = None, group=None, side: str | None = None):
         """``rank``'s rows of ``x_global`` (tokens first: a torch tensor or numpy
         array of the whole batch), in local order. ``rank`` defaults to this
-        process's rank in ``group``. Differentiable."""
+        process's rank in ``group``. Differentiable. A cross-attention plan
+        has two token axes: ``side="q"`` for query-side tensors (queries,
+        outputs), ``side="k"`` for key-side ones (keys, values)."""
         from .runtime.dist import dispatch
-        return dispatch(self.ir, x_global, self._rank(rank, group))
+        return dispatch(self.ir, x_global, self._rank(rank, group), side)
 
-    def undispatch(self, x_local, group=None, timeout: float | None = None):
+    def undispatch(self, x_local, group=None, timeout: float | None = None, side: str | None = None):
         """Every rank's local rows gathered into global token order, on every rank
         (an all_gather over ``group``). Its backward returns this rank's rows of
         the incoming gradient and communicates nothing: every rank must compute
         the same function of the result (then sum parameter gradients over the
-        group, as for a loss over ``dispatch``-ed tokens)."""
+        group, as for a loss over ``dispatch``-ed tokens). ``side``: as for
+        :meth:`dispatch`."""
         from .runtime.dist import undispatch
-        return undispatch(self.ir, x_local, group, timeout)
+        return undispatch(self.ir, x_local, group, timeout, side)
 
     def _rank(self, rank, group) -> int:
         if rank is not None:
@@ -314,7 +339,7 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
             kv_heads: int | None = None, head_dim: int = 64, strategy: str = "zigzag", block_size: int = 2048,
             pipeline: str | None = None, segments=None, dtype: str = "bfloat16", memory_cap: int | None = None,
             verify: bool = True, profile: str = "h100", instruments=(),
-            max_compute_blocks: int | None = None) -> Plan:
+            max_compute_blocks: int | None = None, seqlens_q=None, seqlens_k=None) -> Plan:
     """Compile one batch into a verified plan.
 
     ``seqlens`` is a list, tuple or 1-D numpy integer array of sample lengths
@@ -327,11 +352,14 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     bound exceeds the best predicted time, and keeps the plan with the lowest
     predicted time (``plan.meta["candidates"]`` has each simulated one's,
     ``plan.meta["pruned"]`` why the others were not; :mod:`attnplan.tools.auto`).
-    Every argument is checked before any work, sizes against
+    Cross-attention: ``seqlens_q`` and ``seqlens_k`` (instead of ``seqlens``)
+    give each sample's query and key lengths; the mask sees ``Lq`` and ``Lk``
+    (``attnplan.frontend.lang``), and ``execute``/``attention`` take queries
+    and keys of those lengths. Every argument is checked before any work, sizes against
     ``attnplan/ir/limits.py``: a wrong type or value raises ``BatchError``
     (batch) or ``PlanError`` (anything else) naming it."""
     t0 = time.perf_counter()
-    lens = _seqlens(seqlens)
+    lens, q_lens = _batch_lengths(seqlens, seqlens_q, seqlens_k)
     segments = _segments(segments, lens)
     opts = check_options(devices=devices, nodes=nodes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                          block_size=block_size, memory_cap=memory_cap, dtype=dtype, profile=profile)
@@ -339,7 +367,7 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
                                                                        max_compute_blocks)
     prog = _mask_program(mask)
     if strategy == "auto" and pipeline is None:
-        return _compile_auto(dict(opts, seqlens=lens, segments=segments, mask=prog, verify=verify,
+        return _compile_auto(dict(opts, seqlens=lens, q_lens=q_lens, segments=segments, mask=prog, verify=verify,
                                   instruments=instruments, max_compute_blocks=max_blocks))
     from .frontend import lower_batch
     from .passes import parse_pipeline, run_pipeline, strategies
@@ -350,9 +378,9 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
             raise PlanError(f"unknown strategy {strategy!r}; known: {', '.join(strategies())}")
         pipeline = default_pipeline(strategy, opts["block_size"])
     passes = parse_pipeline(pipeline)
-    pieces = lower_batch(prog, lens.tolist(), segments)
+    pieces = lower_batch(prog, lens.tolist(), segments, q_lens)
     problem = Problem(seqlens=lens, heads=opts["heads"], kv_heads=opts["kv_heads"], head_dim=opts["head_dim"],
-                      pieces=pieces, mask=prog.source, segments=segments, dtype=opts["dtype"])
+                      pieces=pieces, mask=prog.source, segments=segments, dtype=opts["dtype"], q_lens=q_lens)
     ir = run_pipeline(PlanIR(problem, opts["devices"], opts["nodes"], opts["memory_cap"]), passes,
                       verify_each=verify, instruments=instruments, max_compute_blocks=max_blocks)
     if ir.program is None:

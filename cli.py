@@ -115,16 +115,15 @@ def _summary_stream(path: str):
 
 def _batch_args(p):
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--seqlens", help="comma-separated sample lengths, e.g. 4096,1000,300")
+    src.add_argument("--seqlens", help="comma-separated sample lengths, e.g. 4096,1000,300; cross-attention "
+                     "samples as QUERIES:KEYS, e.g. 512:64,300:64")
     src.add_argument("--batch", help="batch file (JSON or JSONL) or FILE:NAME for one line of a JSONL file")
 
 
-def _load_batch(args):
-    from .frontend import load_batch, parse_seqlens
-    if args.seqlens is not None:
-        return parse_seqlens(args.seqlens), None
-    b = load_batch(args.batch)
-    return b.seqlens, b.segments
+def _load_batch(args) -> dict:
+    """The batch as compile keywords: seqlens and segments, or seqlens_q and seqlens_k."""
+    from .frontend import load_batch, parse_batch_text
+    return (parse_batch_text(args.seqlens) if args.seqlens is not None else load_batch(args.batch)).compile_args()
 
 
 def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, a100, cpu-local, or FILE.json"):
@@ -269,12 +268,12 @@ def _add_compare_bench(sub) -> None:
 def _cmd_compile(args) -> int:
     from .api import compile as compile_plan
     _check_output(args.output, "plan file", binary=True)
-    seqlens, segments = _load_batch(args)
+    batch = _load_batch(args)
 
     def show(p, ir, dt):
         print(f"  {p.spec():<40} {dt * 1e3:9.1f} ms", file=sys.stderr)
 
-    plan = compile_plan(seqlens=seqlens, segments=segments, mask=args.mask, devices=args.devices, nodes=args.nodes,
+    plan = compile_plan(**batch, mask=args.mask, devices=args.devices, nodes=args.nodes,
                         heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, strategy=args.strategy,
                         block_size=args.block_size, pipeline=args.pipeline, dtype=args.dtype,
                         memory_cap=args.memory_cap, verify=not args.no_verify, profile=args.profile,
@@ -377,10 +376,12 @@ def _cmd_show(args) -> int:
 
 def _cmd_mask(args) -> int:
     from .frontend import load_mask, render
-    seqlens, segments = _load_batch(args)
+    batch = _load_batch(args)
+    q_lens = batch.get("seqlens_q")
+    seqlens = batch["seqlens"] if q_lens is None else [a + b for a, b in zip(q_lens, batch["seqlens_k"])]
     if sum(seqlens) > 4096:
         raise PlanError(f"plan mask draws small batches (at most 4096 tokens); this one has {sum(seqlens):,}")
-    print(render(load_mask(args.mask), seqlens, segments, width=args.width))
+    print(render(load_mask(args.mask), seqlens, batch.get("segments"), width=args.width, q_lens=q_lens))
     return 0
 
 
@@ -416,11 +417,11 @@ def _cmd_compare(args) -> int:
         raise PlanError("--html -: the table goes to stdout; give the report a file name")
     if args.html is not None:
         _check_output(args.html, "report")
-    seqlens, segments = _load_batch(args)
+    batch = _load_batch(args)
     strategies = _strategy_list(args.strategies)
     check_options(devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype, profile=args.profile)
-    rows, plans = compare(strategies, seqlens=seqlens, segments=segments, mask=args.mask,
+    rows, plans = compare(strategies, **batch, mask=args.mask,
                           devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
                           head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype,
                           profile=args.profile)

@@ -138,6 +138,9 @@ def _problem(args):
         lens = parse_seqlens(args.seqlens)
     else:
         b = load_batch(args.batch)
+        if b.seqlens_k is not None:
+            raise StepError("plan step takes self-attention batches; this one is cross-attention (seqlens_q, "
+                            "seqlens_k)")
         if b.segments is not None:
             raise StepError("plan step does not take segments yet: give a batch of plain documents")
         lens = b.seqlens

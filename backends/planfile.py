@@ -89,7 +89,8 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
         "problem": {"seqlens": _arr(p.seqlens), "heads": p.heads, "kv_heads": p.kv_heads, "head_dim": p.head_dim,
                     "pieces": _arr(p.pieces.a), "mask": p.mask, "dtype": p.dtype,
                     "segments": [list(map(list, s_)) if s_ is not None else None for s_ in p.segments]
-                    if p.segments is not None else None},
+                    if p.segments is not None else None,
+                    **({"q_lens": _arr(p.q_lens)} if p.q_lens is not None else {})},  # absent: self-attention
         "devices": ir.devices, "nodes": ir.nodes, "memory_cap": ir.memory_cap,
         "graph": {**{f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
                   **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {})},  # absent: 1 (files of before stay byte-equal)

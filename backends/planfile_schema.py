@@ -200,7 +200,23 @@ def problem(pb) -> Problem:
     pieces = array(pb, "pieces", "problem", cols=6, max_len=L.MAX_MASK_PIECES, limit="MAX_MASK_PIECES")
     _pieces_in_range(pieces, int(lens.sum()), "problem.pieces")
     return Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=Pieces(pieces),
-                   mask=string(pb, "mask", "problem"), segments=_segments(pb, lens), dtype=dtype)
+                   mask=string(pb, "mask", "problem"), segments=_segments(pb, lens), dtype=dtype,
+                   q_lens=_q_lens(pb, lens))
+
+
+def _q_lens(pb, lens: np.ndarray):
+    """Query lengths of cross-attention samples (absent: self-attention), each in [1, seqlens[i])."""
+    if "q_lens" not in pb:
+        return None
+    q = array(pb, "q_lens", "problem", max_len=L.MAX_SAMPLES, limit="MAX_SAMPLES")
+    if len(q) != len(lens):
+        fail(f"problem.q_lens has {len(q)} entries for {len(lens)} samples")
+    bad = np.flatnonzero((q < 1) | (q >= lens))
+    if len(bad):
+        fail(f"problem.q_lens[{bad[0]}] = {q[bad[0]]} is not in [1, {lens[bad[0]]}) (a query and a key at least)")
+    if pb.get("segments") is not None:
+        fail("problem.q_lens with problem.segments: cross-attention samples have no segments")
+    return q
 
 
 def _kv_rep(gb, p: Problem) -> int:

@@ -15,11 +15,11 @@ masks), ``lower`` (whole batches), ``render`` (pictures), ``batch`` (batch
 files and lengths).
 """
 
-from .batch import Batch, load_batch, parse_seqlens
+from .batch import Batch, load_batch, parse_batch_text, parse_seqlens
 from .lang import MaskProgram, load_mask, parse_mask
 from .lower import lower_batch
 from .render import render
 from .stdlib import BUILTINS
 
-__all__ = ["Batch", "BUILTINS", "MaskProgram", "load_batch", "load_mask", "lower_batch", "parse_mask",
-           "parse_seqlens", "render"]
+__all__ = ["Batch", "BUILTINS", "MaskProgram", "load_batch", "load_mask", "lower_batch", "parse_batch_text",
+           "parse_mask", "parse_seqlens", "render"]

@@ -2,6 +2,8 @@
 
 A batch file is JSON — one object ``{"seqlens": [...], "segments": ..., "name": ...}``
 or a list of them — or JSONL, one such object a line (blank lines skipped).
+A cross-attention batch has ``"seqlens_q"`` and ``"seqlens_k"`` (each sample's
+query and key lengths) instead of ``"seqlens"``, and no segments.
 ``segments``, if present, has one entry per sample: null (one ``text``
 segment) or ``[[kind, length], ...]`` summing to that sample's length. Other
 keys (``dist``, ``budget``, ...) are ignored. ``load_batch("FILE:NAME")``
@@ -28,7 +30,7 @@ from attnplan.errors import BatchError
 from attnplan.ir.limits import MAX_BATCH_FILE, MAX_SAMPLES, MAX_TOKENS
 from attnplan.ir.segments import check_segments
 
-__all__ = ["Batch", "parse_seqlens", "load_batch"]
+__all__ = ["Batch", "parse_batch_text", "parse_seqlens", "load_batch"]
 
 _MAX_DIGITS = len(str(MAX_TOKENS))
 _JSON_DIGITS = 100  # digits of any integer in a batch file
@@ -65,11 +67,14 @@ def _check_lengths(lens, where: str, name: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Batch:
     """Sample lengths, optional per-sample segments ``((kind, length), ...)``
-    (None for a sample that is one ``text`` segment), and an optional name."""
+    (None for a sample that is one ``text`` segment), and an optional name.
+    Cross-attention: ``seqlens_k`` holds each sample's key length, and
+    ``seqlens`` its query length."""
 
     seqlens: tuple[int, ...]
     segments: tuple | None = None
     name: str | None = None
+    seqlens_k: tuple[int, ...] | None = None
 
     def __post_init__(self):
         try:
@@ -84,6 +89,14 @@ class Batch:
         if self.segments is not None:
             segs = check_segments(self.segments, lens, "")
             object.__setattr__(self, "segments", None if all(s is None for s in segs) else segs)
+        if self.seqlens_k is not None:
+            object.__setattr__(self, "seqlens_k", _cross_lengths(lens, self.seqlens_k, self.segments, ""))
+
+    def compile_args(self) -> dict:
+        """The batch as :func:`attnplan.compile` keywords."""
+        if self.seqlens_k is not None:
+            return {"seqlens_q": list(self.seqlens), "seqlens_k": list(self.seqlens_k)}
+        return {"seqlens": self.seqlens, "segments": self.segments}
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +104,33 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.seqlens)
+
+
+def _cross_lengths(q: tuple, k, segments, where: str) -> tuple[int, ...]:
+    """Key lengths of a cross-attention batch with query lengths ``q``, checked."""
+    if not isinstance(k, (list, tuple)):
+        raise BatchError(f"{where}\"seqlens_k\" must be a list of positive integers, got {_show(k)}")
+    k = _check_lengths(k, where, "seqlens_k")
+    if len(k) != len(q):
+        raise BatchError(f"{where}{len(q)} query lengths and {len(k)} key lengths: one of each per sample")
+    if segments is not None:
+        raise BatchError(f"{where}a cross-attention batch has no segments")
+    _check_lengths(q + k, where, "seqlens_q + seqlens_k")  # the packed total
+    return k
+
+
+def parse_batch_text(text: str) -> Batch:
+    """``--seqlens`` text: ``"4096,1000,300"``, or cross-attention samples
+    ``"QUERIES:KEYS,..."`` (``"512:64,300:64"``); BatchError on anything else."""
+    if not isinstance(text, str) or ":" not in text:
+        return Batch(parse_seqlens(text))
+    pairs = [p.split(":") for p in text.split(",")]
+    bad = next((i for i, p in enumerate(pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise BatchError(f"sequence lengths: entry {bad + 1}, {text.split(',')[bad][:40]!r}, is not QUERIES:KEYS "
+                         f"(a batch is all lengths or all QUERIES:KEYS pairs)")
+    q = parse_seqlens(",".join(p[0] for p in pairs))
+    return Batch(q, seqlens_k=parse_seqlens(",".join(p[1] for p in pairs)))
 
 
 def parse_seqlens(text: str) -> tuple[int, ...]:
@@ -168,6 +208,8 @@ def _records(path: str, text: str) -> list[tuple[str, object]]:
 def _to_batch(where: str, obj) -> Batch:
     if not isinstance(obj, dict):
         raise BatchError(f"{where}expected a JSON object with \"seqlens\", got {type(obj).__name__}")
+    if "seqlens_q" in obj or "seqlens_k" in obj:
+        return _to_cross_batch(where, obj)
     if "seqlens" not in obj:
         raise BatchError(f"{where}missing \"seqlens\" (a list of positive sample lengths)")
     lens = obj["seqlens"]
@@ -181,6 +223,19 @@ def _to_batch(where: str, obj) -> Batch:
     if segments is not None:
         segments = check_segments(segments, lens, where)
     return Batch(lens, segments, name)
+
+
+def _to_cross_batch(where: str, obj: dict) -> Batch:
+    if "seqlens" in obj or "seqlens_q" not in obj or "seqlens_k" not in obj:
+        raise BatchError(f"{where}a cross-attention batch has \"seqlens_q\" and \"seqlens_k\" and no \"seqlens\"")
+    q = obj["seqlens_q"]
+    if not isinstance(q, list) or not q:
+        raise BatchError(f"{where}\"seqlens_q\" must be a non-empty list of positive integers")
+    q = _check_lengths(q, where, "seqlens_q")
+    name = obj.get("name")
+    if name is not None and not isinstance(name, str):
+        raise BatchError(f"{where}\"name\" must be a string, got {_show(name)}")
+    return Batch(q, None, name, _cross_lengths(q, obj["seqlens_k"], obj.get("segments"), where))
 
 
 def _label(where: str, obj) -> str:

@@ -64,9 +64,11 @@ def _tight(rows) -> Pieces:
 class Evaluator:
     """Evaluates expressions of ``prog``; with ``length=None`` it only checks (static mode)."""
 
-    def __init__(self, prog, length: int | None, seg: Segments | None, budget: Budget | None = None):
+    def __init__(self, prog, length: int | None, seg: Segments | None, budget: Budget | None = None,
+                 cross: tuple[int, int] | None = None):
         self.prog, self.seg = prog, seg
-        self.L: Any = length  # an int when lowering
+        self.L: Any = length  # an int when lowering: the side of the square evaluated
+        self.lq_lk: tuple[Any, Any] = cross if cross is not None else (length, length)
         self.static = length is None
         self.budget = budget if budget is not None else Budget()
         self.stack: list[tuple[str, int, int]] = []  # let calls being evaluated
@@ -76,7 +78,8 @@ class Evaluator:
         for name, l, c in reversed(self.stack):
             msg += f" (in `{name}`, used at line {l}, col {c})"
         if not self.static:
-            msg += f" [sample length {self.L}]"
+            lq, lk = self.lq_lk
+            msg += f" [sample length {self.L}]" if lq == lk == self.L else f" [cross sample Lq={lq}, Lk={lk}]"
         return MaskError(msg, self.prog.filename, line, col, self.prog.source)
 
     # ------------------------------------------------------------- driving
@@ -146,6 +149,8 @@ class Evaluator:
             return _K
         if n == "L":
             return UNKNOWN if self.static else self.L
+        if n in ("Lq", "Lk"):
+            return UNKNOWN if self.static else self.lq_lk[n == "Lk"]
         if n in env:
             return env[n]
         return self._call(node, (), env)

@@ -37,7 +37,13 @@ atoms              numbers (``64``, ``1_000``, exact decimals ``0.25``), ``q``,
 =================  ============================================================
 
 ``q`` and ``k`` are query and key positions relative to the start of the
-sample; ``L`` is its length, and a mask never leaves ``[0, L)^2``. A comparison
+sample; ``L`` is its length, and a mask never leaves ``[0, L)^2``.
+Cross-attention samples (``seqlens_q``/``seqlens_k``: queries of one
+sequence, keys of another) have ``Lq`` queries and ``Lk`` keys: the mask is
+evaluated on the square of side ``L = max(Lq, Lk)`` (positions still count
+from 0 on both sides) and clipped to ``[0, Lq) x [0, Lk)``, so ``causal`` is
+``k <= q`` (FlexAttention's top-left alignment; FlashAttention's bottom-right
+causal is ``k <= q + Lk - Lq``). In a self-attention sample ``Lq = Lk = L``. A comparison
 must reduce to ``k - q OP c``, ``k OP c`` or ``q OP c`` (a diagonal band, a
 column range or a row range), e.g. ``q - k < w``, ``k <= q``, ``2*k < 2*q + 7``,
 ``k < L // 2``; anything else (``q * k``, ``k < 2 * q``) is an error at its
@@ -118,7 +124,7 @@ import numpy as np
 
 from attnplan.errors import BatchError, MaskError
 from attnplan.ir.limits import MAX_MASK_TEXT, MAX_TOKENS
-from attnplan.ir.mask import Pieces
+from attnplan.ir.mask import K1, Q1, Pieces, tighten
 from attnplan.ir.segments import check_segments
 
 from .evaluate import Evaluator
@@ -172,10 +178,24 @@ class MaskProgram:
         segment of kind ``text``."""
         return self._lower(length, segments, Budget())
 
+    def lower_cross(self, lq: int, lk: int) -> Pieces:
+        """Pieces of a cross-attention sample with ``lq`` queries and ``lk`` keys,
+        inside ``[0, lq) x [0, lk)`` (sample-relative on both sides)."""
+        return self._lower_cross(lq, lk, Budget())
+
     def _lower(self, length, segments, budget: Budget) -> Pieces:
         length = _check_length(length)
         seg = Segments.of(length, _check_segments(length, segments))
         return Evaluator(self, length, seg, budget).mask(self._expr, {})
+
+    def _lower_cross(self, lq, lk, budget: Budget) -> Pieces:
+        """The mask on the square of side max(lq, lk), clipped to lq x lk (see the module doc)."""
+        lq, lk = _check_length(lq), _check_length(lk)
+        side = max(lq, lk)
+        a = Evaluator(self, side, Segments.of(side, None), budget, cross=(lq, lk)).mask(self._expr, {}).a.copy()
+        a[:, Q1] = np.minimum(a[:, Q1], lq)
+        a[:, K1] = np.minimum(a[:, K1], lk)
+        return Pieces(a[tighten(a)])
 
 
 def _check_length(length) -> int:

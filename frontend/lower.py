@@ -91,12 +91,12 @@ def _distinct(mask, lens: np.ndarray, segments):
     return list(index), np.array(first, dtype=np.int64), inverse
 
 
-def _lower_distinct(mask, keys, first) -> list[np.ndarray]:
+def _lower_distinct(mask, keys, first, cross: bool = False) -> list[np.ndarray]:
     budget = Budget()
     out = []
     for (n, seg), i in zip(keys, first.tolist()):
         try:
-            out.append(mask._lower(n, seg, budget).a)
+            out.append(mask._lower_cross(*divmod(n, 1 << 32), budget).a if cross else mask._lower(n, seg, budget).a)
         except MaskError as e:
             raise MaskError(f"{e.message} (sample {i})", e.filename, e.line, e.col, e.text) from None
     return out
@@ -113,25 +113,48 @@ def _check_total(per_sample: np.ndarray, lens: np.ndarray, filename: str) -> int
     return total
 
 
-def lower_batch(mask, seqlens, segments=None) -> Pieces:
+def lower_batch(mask, seqlens, segments=None, q_lens=None) -> Pieces:
     """The whole packed mask: sample ``i`` lowered and shifted to its offset.
 
     ``seqlens`` is a sequence of positive lengths (or a :class:`Batch`, whose
     segments are used); ``segments`` is None or one entry per sample (None or
     ``((kind, length), ...)``). Lowering is shared by samples with the same
-    (length, segments) — segments only count when the mask uses them."""
+    (length, segments) — segments only count when the mask uses them.
+    ``q_lens`` (cross-attention, :class:`~attnplan.ir.problem.Problem`): sample
+    ``i`` is ``q_lens[i]`` queries then ``seqlens[i] - q_lens[i]`` keys on the
+    packed axis; its pieces are lowered by ``MaskProgram.lower_cross`` and
+    their keys shifted past its queries."""
+    if isinstance(seqlens, Batch) and seqlens.seqlens_k is not None:  # cross: packed = queries then keys
+        q_lens = seqlens.seqlens
+        seqlens = [a + b for a, b in zip(seqlens.seqlens, seqlens.seqlens_k)]
     lens, segments = batch_args(seqlens, segments)
     if not len(lens):
         return Pieces.empty()
+    if q_lens is not None:
+        return _lower_cross_batch(mask, lens, np.asarray(q_lens, np.int64))
     keys, first, inverse = _distinct(mask, lens, segments)
-    arrays = _lower_distinct(mask, keys, first)
+    out, rows = _gather(mask, _lower_distinct(mask, keys, first), inverse, lens)
+    out[:, :4] += (np.cumsum(lens) - lens)[rows][:, None]
+    return Pieces(out)
+
+
+def _gather(mask, arrays: list, inverse: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every sample's pieces (``arrays[inverse[i]]``) in sample order, sample-relative,
+    and the sample of each row; the total checked before it is built."""
     counts = np.array([len(a) for a in arrays], dtype=np.int64)
     per_sample = counts[inverse]
     total = _check_total(per_sample, lens, mask.filename)
     starts = np.cumsum(counts) - counts
     sample_of_row = np.repeat(np.arange(len(lens)), per_sample)
     within = np.arange(total) - np.repeat(np.cumsum(per_sample) - per_sample, per_sample)
-    out = np.concatenate(arrays)[starts[inverse][sample_of_row] + within]
-    offsets = np.cumsum(lens) - lens
-    out[:, :4] += offsets[sample_of_row][:, None]
+    return np.concatenate(arrays)[starts[inverse][sample_of_row] + within], sample_of_row
+
+
+def _lower_cross_batch(mask, lens: np.ndarray, q_lens: np.ndarray) -> Pieces:
+    """:func:`lower_batch` of cross-attention samples (distinct (Lq, Lk) lowered once)."""
+    pairs = q_lens * (1 << 32) + (lens - q_lens)  # (Lq, Lk), both < 2^32 (MAX_TOKENS)
+    keys, first, inverse = _distinct(mask, pairs, None)
+    out, rows = _gather(mask, _lower_distinct(mask, keys, first, cross=True), inverse, lens)
+    out[:, [2, 3, 4, 5]] += q_lens[rows][:, None]  # keys follow the sample's queries: k, and k - q, move by Lq
+    out[:, :4] += (np.cumsum(lens) - lens)[rows][:, None]
     return Pieces(out)

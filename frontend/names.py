@@ -1,4 +1,4 @@
-"""Name checking: every name a mask uses is a parameter, ``q k L``, a ``let``
+"""Name checking: every name a mask uses is a parameter, ``q k L Lq Lk``, a ``let``
 defined above, or a builtin, called with the right number of arguments.
 Also finds whether the mask depends on segments. Walks with an explicit
 stack, so an expression of any depth is checked without recursion."""
@@ -66,7 +66,7 @@ def _check_name(node, params: frozenset, scope: Scope, err: Err) -> bool:
                   node.line, node.col)
     if n in params or n in RESERVED:
         if is_call:
-            what = "a parameter" if n in params else "a position" if n in "qk" else "the sample length"
+            what = "a parameter" if n in params else "a position" if n in ("q", "k") else "a sample length"
             raise err(f"`{n}` is {what}, not a mask or function: it cannot be called", node.line, node.col)
         return False
     nargs = len(node.args) if is_call else 0
@@ -104,4 +104,4 @@ def _unknown_msg(name, params, scope: Scope):
     if mine:
         shown = ", ".join(mine[:20]) + (f", ... ({len(mine)} in all)" if len(mine) > 20 else "")
         msg += f"; defined here: {shown}"
-    return msg + "; positions: q, k; sample length: L"
+    return msg + "; positions: q, k; sample lengths: L, Lq, Lk"

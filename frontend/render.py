@@ -61,15 +61,17 @@ def density(pieces: Pieces, size: int, width: int = 64):
     return counts, side[:, None] * side[None, :], cell
 
 
-def render(mask, seqlens, segments=None, width: int = 64) -> str:
+def render(mask, seqlens, segments=None, width: int = 64, q_lens=None) -> str:
     """ASCII picture of the whole packed mask, one character per cell of
-    ``cell x cell`` tokens: '#' all pairs allowed, '+' over half, '.' some, ' ' none."""
+    ``cell x cell`` tokens: '#' all pairs allowed, '+' over half, '.' some, ' ' none.
+    ``q_lens``: cross-attention samples, drawn on the packed axis (each
+    sample's queries, then its keys; see :func:`lower_batch`)."""
     if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or not 1 <= width <= MAX_MASK_WIDTH:
         raise PlanError(f"picture width must be an integer in 1..{MAX_MASK_WIDTH} (MAX_MASK_WIDTH), got {width!r}")
     lens, segments = batch_args(seqlens, segments)
     if not len(lens):
         raise BatchError("a picture needs at least one sample")
-    pieces = lower_batch(mask, lens, segments)
+    pieces = lower_batch(mask, lens, segments, q_lens)
     total = int(lens.sum())
     counts, area, cell = density(pieces, total, int(width))
     chars = np.where(counts == area, "#", np.where(2 * counts > area, "+", np.where(counts > 0, ".", " ")))

@@ -221,9 +221,15 @@ def sample_cuts(problem: Problem, block: int, pack: bool = True) -> np.ndarray:
     every short document in it, one compute block (one varlen kernel call) for
     all of them, each piece's rows still rounded to the kernel tile on its own
     (backends/cost.py). No sample straddles a packed block. ``pack=False``:
-    a block boundary at every sample start (one block per short sample)."""
+    a block boundary at every sample start (one block per short sample).
+    Cross-attention: a sample's queries and its keys are cut as two samples,
+    never packed (a block holds one side only, so nothing moves the other
+    side's unused Q or KV)."""
     off = problem.offsets
     lens = problem.seqlens
+    if problem.q_lens is not None:
+        lens = np.stack([problem.q_lens, lens - problem.q_lens], 1).reshape(-1)
+        off, pack = np.concatenate([[0], np.cumsum(lens)]), False
     long = lens > block if pack else np.ones(len(lens), bool)
     per = np.where(long, (lens + block - 1) // block, 0)
     owner = np.repeat(np.arange(len(lens)), per)

@@ -75,6 +75,12 @@ def verify_problem(p: Problem) -> None:
     bad = _first((s < 0) | (s >= len(p.seqlens)) | (a[:, Q1] > hi) | (a[:, K0] < lo) | (a[:, K1] > hi))
     if bad is not None:
         _fail(1, f"mask piece {bad} {a[bad].tolist()} is not inside its sample")
+    if p.q_lens is not None:  # cross-attention: queries x keys of the sample
+        split = lo + p.q_lens[np.clip(s, 0, len(p.seqlens) - 1)]
+        bad = _first((a[:, Q1] > split) | (a[:, K0] < split))
+        if bad is not None:
+            _fail(1, f"mask piece {bad} {a[bad].tolist()} of a cross-attention sample is not inside its queries "
+                     f"[{int(lo[bad])}, {int(split[bad])}) x its keys [{int(split[bad])}, {int(hi[bad])})")
     T = p.tokens  # a tightened piece's band lies in [-T, T]: bounded before any arithmetic on it
     band = a[:, [LO, HI]]
     if ((band < -T) | (band > T)).any() or not np.array_equal(normalize(a), a) \

@@ -40,13 +40,13 @@ def random_inputs(plan, dtype: str, seed: int):
         raise PlanError(f"seed must be an integer in [0, 2^63), got {seed!r}"[:200])
     p = _ir(plan).problem
     gen = torch.Generator().manual_seed(seed)
-    T = p.tokens
+    Tq, Tk = len(p.query_index()), len(p.key_index())  # both the whole batch unless cross-attention
 
     def r(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(DTYPES[dtype])
 
-    return r(T, p.heads, p.head_dim), r(T, p.kv_heads, p.head_dim), r(T, p.kv_heads, p.head_dim), \
-        r(T, p.heads, p.head_dim)
+    return r(Tq, p.heads, p.head_dim), r(Tk, p.kv_heads, p.head_dim), r(Tk, p.kv_heads, p.head_dim), \
+        r(Tq, p.heads, p.head_dim)
 
 
 def run_plan(plan, dtype: str = "float32", seed: int = 0):
@@ -59,7 +59,22 @@ def run_plan(plan, dtype: str = "float32", seed: int = 0):
 
 
 def reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 << 22):
-    """Dense float64 out and gradients, sample by sample.
+    """:func:`packed_reference`; for cross-attention (``q``, ``dout`` of the
+    queries, ``k``, ``v`` of the keys) on the packed axis, zeros on the other
+    side, and sliced back."""
+    if problem.q_lens is None:
+        return packed_reference(problem, q, k, v, dout, scale, chunk_elems)
+    qi, ki, T = torch.from_numpy(problem.query_index()), torch.from_numpy(problem.key_index()), problem.tokens
+
+    def put(t, idx):
+        return t.new_zeros((T,) + tuple(t.shape[1:])).index_copy(0, idx, t)
+
+    out, (dq, dk, dv) = packed_reference(problem, put(q, qi), put(k, ki), put(v, ki), put(dout, qi), scale, chunk_elems)
+    return out[qi], [dq[qi], dk[ki], dv[ki]]
+
+
+def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 << 22):
+    """Dense float64 out and gradients, sample by sample, on the packed axis.
 
     Exact softmax attention and its gradient in closed form (``P = softmax(S)``,
     ``dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))``), computed for a few hundred query

@@ -64,7 +64,7 @@ from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD, PHASES
 from . import layout
 from .collective import CollectiveTransport
-from .executor import check_inputs, expand_kv, resolve_scale
+from .executor import check_inputs, embed, expand_kv, resolve_scale
 from .kernels import settle_rows_without_mass
 from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, pack
 from .transport import TransportError
@@ -241,6 +241,8 @@ def _fingerprint_parts(ir: PlanIR):
     yield "shape", np.array([ir.devices, p.heads, p.kv_heads, p.head_dim, prog.devices, g.kv_rep, collective],
                             np.int64)
     yield "seqlens", p.seqlens
+    if p.q_lens is not None:  # which local rows take the caller's queries and keys
+        yield "q_lens", p.q_lens
     yield "pieces", p.pieces.a
     for name in ("tb_start", "tb_end", "hg_start", "hg_end", "tile_ptr", "pieces", "cb_tile", "cb_q", "cb_k"):
         yield "graph." + name, getattr(g, name)
@@ -418,13 +420,40 @@ def attention(q, k, v, plan_ir, group=None, *, softmax_scale: float | None = Non
     accumulates this rank's kernel, wait and wall seconds, forward and
     backward. ``match``: ``"tag"`` (default, or ``$ATTNPLAN_MATCH``) or
     ``"order"`` (one tag: messages matched by posting order, as NCCL does).
-    A one-device plan also runs without torch.distributed."""
+    A one-device plan also runs without torch.distributed. A cross-attention
+    plan takes this rank's query rows ``q [Tq_local, Hq, D]`` and key rows
+    ``k``/``v [Tk_local, Hkv, D]`` (``plan.dispatch(x, side="q" | "k")``) and
+    returns ``[Tq_local, Hq, D]``."""
+    kw = dict(softmax_scale=softmax_scale, timeout=timeout, timings=timings, match=match)
+    if _plan_ir(plan_ir).problem.q_lens is not None:
+        return _cross_attention(q, k, v, plan_ir, group, **kw)
+    return _packed_attention(q, k, v, plan_ir, group, **kw)
+
+
+def _packed_attention(q, k, v, plan_ir, group, *, softmax_scale, timeout, timings, match):
+    """:func:`attention` on the packed local layout (both sides of cross-attention samples)."""
     scale = resolve_scale(softmax_scale, _plan_ir(plan_ir).problem.head_dim)
     match = resolve_match(match)
     ir, info, rank, timeout = _prepare(plan_ir, q, k, v, group, timeout)
     gen = 0 if info is None else _next_generation(ir, info)
     q, k, v = q.contiguous(), expand_kv(ir, k.contiguous()), expand_kv(ir, v.contiguous())
     return DistAttention.apply(q, k, v, _Call(ir, info, rank, gen, scale, timeout, timings, match=match))
+
+
+def _cross_attention(q, k, v, plan_ir, group, **kw):
+    """:func:`attention` of a cross-attention plan: this rank's query and key
+    rows placed on its local layout (zeros on the other side), the output's
+    query rows returned."""
+    ir = _plan_ir(plan_ir)
+    if ir.devices == 1 and not (dist.is_available() and dist.is_initialized()):
+        rank = 0
+    else:
+        rank = resolve_group(ir, group).rank
+    (rq, _), (rk, _) = layout.side_rows(ir, rank, "q"), layout.side_rows(ir, rank, "k")
+    check_inputs(ir, q, k, v, tokens=len(rq), k_tokens=len(rk), where=f"device {rank}: ")
+    n = layout.local_tokens(ir, rank)
+    out = _packed_attention(embed(q, rq, n), embed(k, rk, n), embed(v, rk, n), ir, group, **kw)
+    return out.index_select(0, torch.from_numpy(rq))
 
 
 def replay_comm(plan_ir, q, k, v, group=None, timeout: float | None = None) -> dict:
@@ -451,12 +480,31 @@ def replay_comm(plan_ir, q, k, v, group=None, timeout: float | None = None) -> d
 
 # dispatch / undispatch ------------------------------------------------------------------
 
-def dispatch(plan_ir, x, rank: int):
-    """Rows of ``x`` (global token axis first) owned by ``rank``, in local order."""
-    idx = layout.local_index(plan_ir, rank)
-    T = plan_ir.problem.tokens
+def _side(plan_ir, side, what: str):
+    """``side`` checked: None for a self-attention plan, ``"q"`` or ``"k"`` (required for cross-attention)."""
+    if side not in layout.SIDES:
+        raise ShapeError(f"{what}: side must be 'q', 'k' or None, got {side!r}")
+    if side is None and plan_ir.problem.q_lens is not None:
+        raise ShapeError(f"{what}: a cross-attention plan has two token axes: say side='q' (queries, outputs) "
+                         f"or side='k' (keys, values)")
+    return side
+
+
+def _side_index(plan_ir, rank: int, side) -> tuple[np.ndarray, int]:
+    """(``rank``'s local rows of ``side`` as indices into that side's tokens, the side's token count)."""
+    p = plan_ir.problem
+    count = p.tokens if side is None else len(p.query_index() if side == "q" else p.key_index())
+    return layout.side_rows(plan_ir, rank, side)[1], count
+
+
+def dispatch(plan_ir, x, rank: int, side: str | None = None):
+    """Rows of ``x`` (global token axis first) owned by ``rank``, in local
+    order; ``side`` ``"q"``/``"k"``: the query/key tokens of a cross-attention plan."""
+    side = _side(plan_ir, side, "dispatch")
+    idx, T = _side_index(plan_ir, rank, side)
     if not hasattr(x, "shape") or len(x.shape) < 1 or x.shape[0] != T:
-        raise ShapeError(f"dispatch: expected a tensor with the batch's {T} tokens first, got shape "
+        what = "tokens" if side is None else "query tokens" if side == "q" else "key tokens"
+        raise ShapeError(f"dispatch: expected a tensor with the batch's {T} {what} first, got shape "
                          f"{list(getattr(x, 'shape', [])) or type(x).__name__}")
     if isinstance(x, torch.Tensor):
         return x.index_select(0, torch.from_numpy(idx).to(x.device))
@@ -465,8 +513,8 @@ def dispatch(plan_ir, x, rank: int):
 
 class _Undispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan_ir, info: GroupInfo, timeout: float):
-        idx = [layout.local_index(plan_ir, d) for d in range(plan_ir.devices)]
+    def forward(ctx, x, plan_ir, info: GroupInfo, timeout: float, side=None):
+        idx = [_side_index(plan_ir, d, side)[0] for d in range(plan_ir.devices)]
         n = max(len(i) for i in idx)
         wire = x.detach().contiguous()
         pad = torch.zeros((n,) + tuple(x.shape[1:]), dtype=x.dtype)
@@ -478,7 +526,7 @@ class _Undispatch(torch.autograd.Function):
         except RuntimeError as e:
             raise TransportError(f"device {info.rank}: undispatch (all_gather of outputs) did not complete within "
                                  f"{timeout:g} s [{str(e).splitlines()[0][:200]}]") from None
-        out = torch.empty((plan_ir.problem.tokens,) + tuple(x.shape[1:]), dtype=x.dtype)
+        out = torch.empty((_side_index(plan_ir, info.rank, side)[1],) + tuple(x.shape[1:]), dtype=x.dtype)
         for d, i in enumerate(idx):
             out[torch.from_numpy(i)] = parts[d][:len(i)]
         ctx.idx = torch.from_numpy(idx[info.rank])
@@ -488,20 +536,23 @@ class _Undispatch(torch.autograd.Function):
     def backward(ctx, g):
         # No collective in autograd: y_global is replicated, every rank computes the same
         # function of it, and this rank's rows are its own share of the gradient.
-        return g.index_select(0, ctx.idx), None, None, None
+        return g.index_select(0, ctx.idx), None, None, None, None
 
 
-def undispatch(plan_ir, x_local, group=None, timeout: float | None = None):
-    """Gather every rank's local rows into the global token order, on every rank."""
+def undispatch(plan_ir, x_local, group=None, timeout: float | None = None, side: str | None = None):
+    """Gather every rank's local rows into the global token order, on every
+    rank (``side``: as for :func:`dispatch`)."""
     ir = _plan_ir(plan_ir)
+    side = _side(ir, side, "undispatch")
     if ir.devices == 1 and not (dist.is_available() and dist.is_initialized()):
-        if not isinstance(x_local, torch.Tensor) or x_local.shape[0] != ir.problem.tokens:
-            raise ShapeError(f"undispatch: expected {ir.problem.tokens} local rows, got "
+        idx, T = _side_index(ir, 0, side)
+        if not isinstance(x_local, torch.Tensor) or x_local.shape[0] != T:
+            raise ShapeError(f"undispatch: expected {T} local rows, got "
                              f"{list(getattr(x_local, 'shape', []))}")
-        return x_local.index_select(0, torch.from_numpy(layout.local_index(ir, 0)).argsort())
+        return x_local.index_select(0, torch.from_numpy(idx).argsort())
     info = resolve_group(ir, group)
-    n = layout.local_tokens(ir, info.rank)
+    n = len(_side_index(ir, info.rank, side)[0])
     if not isinstance(x_local, torch.Tensor) or x_local.dim() < 1 or x_local.shape[0] != n:
         raise ShapeError(f"undispatch: device {info.rank} holds {n} tokens, got shape "
                          f"{list(getattr(x_local, 'shape', [])) or type(x_local).__name__}")
-    return _Undispatch.apply(x_local, ir, info, resolve_timeout(timeout))
+    return _Undispatch.apply(x_local, ir, info, resolve_timeout(timeout), side)

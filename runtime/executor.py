@@ -80,23 +80,27 @@ class _Endpoint:
         """The walk lets a wait pass only once both sides are posted, when the data already moved."""
 
 
-def check_inputs(plan_ir, q, k, v, tokens: int | None = None, where: str = "") -> None:
+def check_inputs(plan_ir, q, k, v, tokens: int | None = None, where: str = "", k_tokens: int | None = None) -> None:
     """Shapes ``[tokens, heads, head_dim]`` (``tokens`` defaults to the whole
-    batch), one floating dtype, dense CPU tensors; else :class:`ShapeError`.
-    The plan must be compiled down to programs (:class:`PlanError`)."""
+    batch; k and v have ``k_tokens``, default ``tokens``), one floating
+    dtype, dense CPU tensors; else :class:`ShapeError`. The plan must be
+    compiled down to programs (:class:`PlanError`)."""
     if not isinstance(plan_ir, PlanIR):
         raise PlanError(f"the runtime takes a PlanIR (plan.ir), got {type(plan_ir).__name__}")
     if plan_ir.program is None or plan_ir.graph is None:
         raise PlanError("this PlanIR has no per-device programs yet: run the pipeline through emit first")
     p = plan_ir.problem
     T = p.tokens if tokens is None else tokens
+    Tk = T if k_tokens is None else k_tokens
     for name, t, heads in (("q", q, p.heads), ("k", k, p.kv_heads), ("v", v, p.kv_heads)):
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{where}{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.layout != torch.strided:
             raise ShapeError(f"{where}{name} must be a dense (strided) tensor, got layout {t.layout}")
-        if t.dim() != 3 or tuple(t.shape) != (T, heads, p.head_dim):
-            raise ShapeError(f"{where}{name} must have shape [tokens={T}, heads={heads}, head_dim={p.head_dim}], "
+        n = T if name == "q" else Tk
+        if t.dim() != 3 or tuple(t.shape) != (n, heads, p.head_dim):
+            what = "tokens" if T == Tk else "query tokens" if name == "q" else "key tokens"
+            raise ShapeError(f"{where}{name} must have shape [{what}={n}, heads={heads}, head_dim={p.head_dim}], "
                              f"got {list(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:
             raise ShapeError(f"{where}{name} has dtype {t.dtype}; expected float32, bfloat16, float16 or float64")
@@ -106,6 +110,12 @@ def check_inputs(plan_ir, q, k, v, tokens: int | None = None, where: str = "") -
         raise ShapeError(f"{where}q, k, v must be on one device")
     if q.device.type != "cpu":
         raise ShapeError(f"{where}q, k, v are on {q.device}; the runtime's kernels run on CPU tensors")
+
+
+def embed(t: torch.Tensor, rows: np.ndarray, n: int) -> torch.Tensor:
+    """``t`` as rows ``rows`` of an ``n``-row tensor, zeros elsewhere (a
+    cross-attention side on the packed axis); differentiable."""
+    return t.new_zeros((n,) + tuple(t.shape[1:])).index_copy(0, torch.from_numpy(rows).to(t.device), t)
 
 
 def expand_kv(plan_ir, t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +189,20 @@ def execute(plan_ir, q, k, v, softmax_scale: float | None = None, timings: Timin
     """Attention of global ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` under
     ``plan_ir`` (``plan.ir``), every device in this process; differentiable.
     Any strides (made contiguous once here; gradients come back in the
-    caller's layout); bad inputs raise :class:`ShapeError`."""
+    caller's layout); bad inputs raise :class:`ShapeError`. A cross-attention
+    plan takes ``q [Tq, Hq, D]`` and ``k``/``v [Tk, Hkv, D]`` (every sample's
+    queries, every sample's keys) and returns ``[Tq, Hq, D]``."""
+    p = plan_ir.problem if isinstance(plan_ir, PlanIR) else None
+    if p is None or p.q_lens is None:
+        return _execute_packed(plan_ir, q, k, v, softmax_scale, timings)
+    qi, ki = p.query_index(), p.key_index()
+    check_inputs(plan_ir, q, k, v, tokens=len(qi), k_tokens=len(ki))
+    q, k, v = embed(q, qi, p.tokens), embed(k, ki, p.tokens), embed(v, ki, p.tokens)
+    return _execute_packed(plan_ir, q, k, v, softmax_scale, timings).index_select(0, torch.from_numpy(qi))
+
+
+def _execute_packed(plan_ir, q, k, v, softmax_scale, timings):
+    """:func:`execute` on the packed token axis (both sides of cross-attention samples)."""
     check_inputs(plan_ir, q, k, v)
     scale = resolve_scale(softmax_scale, plan_ir.problem.head_dim)
     k, v = expand_kv(plan_ir, k.contiguous()), expand_kv(plan_ir, v.contiguous())

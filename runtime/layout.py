@@ -44,6 +44,25 @@ def local_index(ir, device: int) -> np.ndarray:
     return (np.arange(int(n.sum()), dtype=np.int64) + base).astype(np.int64)
 
 
+SIDES = (None, "q", "k")
+
+
+def side_rows(ir, device: int, side: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """(local rows of ``device`` on ``side``, their index among that side's
+    tokens): ``side`` ``"q"`` the query tokens, ``"k"`` the key tokens of a
+    cross-attention plan (every token on both sides otherwise), None every
+    token (its packed index)."""
+    if side not in SIDES:
+        raise PlanError(f"side must be 'q', 'k' or None, got {side!r}")
+    idx = local_index(ir, device)
+    if side is None:
+        return np.arange(len(idx), dtype=np.int64), idx
+    ref = ir.problem.query_index() if side == "q" else ir.problem.key_index()
+    pos = np.searchsorted(ref, idx).clip(0, max(len(ref) - 1, 0))
+    rows = np.flatnonzero(ref[pos] == idx) if len(ref) else np.zeros(0, np.int64)
+    return rows.astype(np.int64), pos[rows].astype(np.int64)
+
+
 def local_tokens(ir, device: int) -> int:
     tbs = home_blocks(ir, device)
     return int(ir.graph.tb_len[tbs].sum())

@@ -305,5 +305,6 @@ def test_frontend_functions_are_small():
 def test_public_names_are_unchanged():
     import attnplan.frontend as fe
     assert sorted(fe.__all__) == sorted(["Batch", "BUILTINS", "MaskProgram", "load_batch", "load_mask",
-                                         "lower_batch", "parse_mask", "parse_seqlens", "render"])
+                                         "lower_batch", "parse_batch_text", "parse_mask", "parse_seqlens",
+                                         "render"])
     assert all(getattr(fe, n) is not None for n in fe.__all__)

@@ -184,7 +184,7 @@ def test_supported_forms_and_their_piece_counts():
     ("causal & sliding_window(q % 4)", 25, "must be a number, got the position term"),
     ("h < 3", 1, "reserved for the query head"),
     ("let h = 1\ncausal", 5, "reserved"),
-    ("k < Lq", 5, "cross-attention"),
+    ("let Lq = 3\ncausal", 5, "reserved (q, k: positions, L, Lq, Lk: sample lengths)"),
 ])
 def test_unsupported_forms_are_clear_errors(text, col, msg):
     e = pytest.raises(MaskError, parse_mask, text).value

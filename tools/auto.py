@@ -242,10 +242,10 @@ def problem_ir(kwargs: dict) -> PlanIR:
     """The unplaced IR of ``compile``'s checked arguments (the mask lowered once)."""
     from ..frontend import lower_batch
     from ..ir.problem import Problem
-    lens, segments, prog = kwargs["seqlens"], kwargs["segments"], kwargs["mask"]
-    pieces = lower_batch(prog, lens.tolist(), segments)
+    lens, segments, prog, q_lens = kwargs["seqlens"], kwargs["segments"], kwargs["mask"], kwargs.get("q_lens")
+    pieces = lower_batch(prog, lens.tolist(), segments, q_lens)
     problem = Problem(seqlens=lens, heads=kwargs["heads"], kv_heads=kwargs["kv_heads"], head_dim=kwargs["head_dim"],
-                      pieces=pieces, mask=prog.source, segments=segments, dtype=kwargs["dtype"])
+                      pieces=pieces, mask=prog.source, segments=segments, dtype=kwargs["dtype"], q_lens=q_lens)
     return PlanIR(problem, kwargs["devices"], kwargs["nodes"], kwargs["memory_cap"])
 
 

@@ -51,10 +51,18 @@ def _line_name(path: str, lineno: int, line: str):
     return rec.get("name")
 
 
+def _self_attention(b, where: str):
+    """``b``, refused if it is a cross-attention batch (the suites are self-attention)."""
+    if b.seqlens_k is not None:
+        raise BatchError(f"{where}: a cross-attention batch; plan bench and plan step take self-attention batches "
+                         f"(plan compile and plan compare take both)")
+    return b
+
+
 def load_batches(path: str, names: list[str] | None = None) -> list[dict]:
     """Every batch of a JSONL file (or the one batch of a JSON file), or those named."""
     if not str(path).endswith(".jsonl"):
-        b = load_batch(path)
+        b = _self_attention(load_batch(path), path)
         return [{"name": getattr(b, "name", None) or Path(path).stem, "seqlens": list(b.seqlens),
                  "segments": b.segments}]
     out = []
@@ -64,7 +72,7 @@ def load_batches(path: str, names: list[str] | None = None) -> list[dict]:
         name = _line_name(path, lineno, line)
         if names and name not in names:
             continue
-        b = load_batch(f"{path}:{name}") if name else load_batch(path)
+        b = _self_attention(load_batch(f"{path}:{name}") if name else load_batch(path), f"{path}:{lineno}")
         out.append({"name": name or Path(path).stem, "seqlens": list(b.seqlens), "segments": b.segments})
     if names and not out:
         raise BatchError(f"{path}: no batch named {', '.join(names)}")

@@ -90,15 +90,16 @@ def _run_joined(plan, rank: int, world: int, dtype: str, seed: int, check: bool,
     from ..runtime.runner import Timings
 
     q, k, v, dout = random_inputs(plan, dtype, seed)
-    ql, kl, vl = (plan.dispatch(t, rank).requires_grad_(True) for t in (q, k, v))
+    sq, sk = ("q", "k") if plan.ir.problem.is_cross else (None, None)  # cross-attention: two token axes
+    ql, kl, vl = (plan.dispatch(t, rank, side=s).requires_grad_(True) for t, s in ((q, sq), (k, sk), (v, sk)))
     rt.handshake(plan.ir, rt.resolve_group(plan.ir), ql, kl, timeout)  # every rank arrived: time the run alone
     import torch.fx.experimental.symbolic_shapes  # noqa: F401  (autograd.grad imports it lazily: ~1 s once)
     tm = Timings()
     t0 = time.perf_counter()
     ol = rt.attention(ql, kl, vl, plan.ir, timeout=timeout, timings=tm, match=match)
-    grads = torch.autograd.grad(ol, (ql, kl, vl), plan.dispatch(dout, rank))
+    grads = torch.autograd.grad(ol, (ql, kl, vl), plan.dispatch(dout, rank, side=sq))
     wall = time.perf_counter() - t0
-    got = [plan.undispatch(x.detach(), timeout=timeout) for x in (ol, *grads)]
+    got = [plan.undispatch(x.detach(), timeout=timeout, side=s) for x, s in zip((ol, *grads), (sq, sq, sk, sk))]
     walls = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(walls, torch.tensor([wall], dtype=torch.float64))
     slowest = max(float(w) for w in walls)
