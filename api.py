@@ -369,7 +369,7 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     if strategy == "auto" and pipeline is None:
         return _compile_auto(dict(opts, seqlens=lens, q_lens=q_lens, segments=segments, mask=prog, verify=verify,
                                   instruments=instruments, max_compute_blocks=max_blocks))
-    from .frontend import lower_batch
+    from .frontend.lower import lower_heads
     from .passes import parse_pipeline, run_pipeline, strategies
 
     named = pipeline is None
@@ -378,9 +378,10 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
             raise PlanError(f"unknown strategy {strategy!r}; known: {', '.join(strategies())}")
         pipeline = default_pipeline(strategy, opts["block_size"])
     passes = parse_pipeline(pipeline)
-    pieces = lower_batch(prog, lens.tolist(), segments, q_lens)
+    pieces, ptr, classes = lower_heads(prog, lens.tolist(), segments, q_lens, opts["heads"])
     problem = Problem(seqlens=lens, heads=opts["heads"], kv_heads=opts["kv_heads"], head_dim=opts["head_dim"],
-                      pieces=pieces, mask=prog.source, segments=segments, dtype=opts["dtype"], q_lens=q_lens)
+                      pieces=pieces, mask=prog.source, segments=segments, dtype=opts["dtype"], q_lens=q_lens,
+                      head_class=classes, class_ptr=ptr)
     ir = run_pipeline(PlanIR(problem, opts["devices"], opts["nodes"], opts["memory_cap"]), passes,
                       verify_each=verify, instruments=instruments, max_compute_blocks=max_blocks)
     if ir.program is None:

@@ -90,7 +90,9 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
                     "pieces": _arr(p.pieces.a), "mask": p.mask, "dtype": p.dtype,
                     "segments": [list(map(list, s_)) if s_ is not None else None for s_ in p.segments]
                     if p.segments is not None else None,
-                    **({"q_lens": _arr(p.q_lens)} if p.q_lens is not None else {})},  # absent: self-attention
+                    **({"q_lens": _arr(p.q_lens)} if p.q_lens is not None else {}),  # absent: self-attention
+                    **({"head_class": _arr(p.head_class), "class_ptr": _arr(p.class_ptr)}
+                       if p.head_class is not None and p.class_ptr is not None else {})},  # absent: one mask
         "devices": ir.devices, "nodes": ir.nodes, "memory_cap": ir.memory_cap,
         "graph": {**{f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
                   **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {})},  # absent: 1 (files of before stay byte-equal)

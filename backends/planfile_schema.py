@@ -22,10 +22,11 @@ of the program, each with its row index in the program (:data:`FILE_ORDER`).
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import numpy as np
 
-from ..errors import BatchError, PlanFileError
+from ..errors import BatchError, PlanError, PlanFileError
 from ..ir import limits as L
 from ..ir.graph import BlockGraph
 from ..ir.mask import Pieces
@@ -59,7 +60,7 @@ _OPERAND_NAMES = ("unused", "message", "device", "buffer", "compute block")
 _PHASE_OPS = ((RECV, SEND, WAIT, ATTN, MERGE), (RECV, SEND, WAIT, ATTN_BWD, ADD))
 
 
-def fail(msg: str):
+def fail(msg: str) -> NoReturn:
     raise PlanFileError(msg)
 
 
@@ -199,9 +200,23 @@ def problem(pb) -> Problem:
         fail(f"problem.dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
     pieces = array(pb, "pieces", "problem", cols=6, max_len=L.MAX_MASK_PIECES, limit="MAX_MASK_PIECES")
     _pieces_in_range(pieces, int(lens.sum()), "problem.pieces")
-    return Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=Pieces(pieces),
-                   mask=string(pb, "mask", "problem"), segments=_segments(pb, lens), dtype=dtype,
-                   q_lens=_q_lens(pb, lens))
+    kw = dict(mask=string(pb, "mask", "problem"), segments=_segments(pb, lens), dtype=dtype,
+              q_lens=_q_lens(pb, lens), **_classes(pb, heads, len(pieces)))
+    try:
+        return Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=Pieces(pieces), **kw)
+    except (PlanError, BatchError) as e:
+        fail(f"problem: {e}")
+
+
+def _classes(pb, heads: int, n_pieces: int) -> dict:
+    """Per-head mask classes (absent: one mask), checked by Problem (a PlanError becomes a plan file error)."""
+    if "head_class" not in pb and "class_ptr" not in pb:
+        return {}
+    hc = array(pb, "head_class", "problem", length=heads)
+    ptr = array(pb, "class_ptr", "problem", max_len=heads + 1)
+    in_range(hc, 0, heads - 1, "problem.head_class")
+    in_range(ptr, 0, n_pieces, "problem.class_ptr")
+    return {"head_class": hc, "class_ptr": ptr}
 
 
 def _q_lens(pb, lens: np.ndarray):
@@ -254,9 +269,11 @@ def _graph_tiles(gb, p: Problem, n_tb: int, n_hg: int) -> dict:
     a["tile_ptr"] = array(gb, "tile_ptr", "graph", length=n + 1)
     a["pieces"] = array(gb, "pieces", "graph", cols=6)
     a["piece_src"] = array(gb, "piece_src", "graph", length=len(a["pieces"]))
-    # every (tile, head group) is one compute block (invariant 2): the verifier's count table has this size
-    a["cb_tile"] = array(gb, "cb_tile", "graph", length=n * n_hg)
-    a["cb_hg"] = array(gb, "cb_hg", "graph", length=n * n_hg)
+    # every (tile, head group) is one compute block (invariant 2; per-head masks: of one class, so at most that)
+    per_class = p.head_class is not None
+    a["cb_tile"] = array(gb, "cb_tile", "graph", length=None if per_class else n * n_hg,
+                         max_len=n * n_hg if per_class else None)
+    a["cb_hg"] = array(gb, "cb_hg", "graph", length=len(a["cb_tile"]))
     for f, lo, hi in (("tile_q", 0, n_tb - 1), ("tile_k", 0, n_tb - 1), ("tile_pairs", 0, T * T),
                       ("tile_ptr", 0, len(a["pieces"])), ("piece_src", 0, len(p.pieces) - 1),
                       ("cb_tile", 0, n - 1), ("cb_hg", 0, n_hg - 1)):

@@ -65,8 +65,8 @@ class Evaluator:
     """Evaluates expressions of ``prog``; with ``length=None`` it only checks (static mode)."""
 
     def __init__(self, prog, length: int | None, seg: Segments | None, budget: Budget | None = None,
-                 cross: tuple[int, int] | None = None):
-        self.prog, self.seg = prog, seg
+                 cross: tuple[int, int] | None = None, head: int | None = None):
+        self.prog, self.seg, self.head = prog, seg, head
         self.L: Any = length  # an int when lowering: the side of the square evaluated
         self.lq_lk: tuple[Any, Any] = cross if cross is not None else (length, length)
         self.static = length is None
@@ -80,6 +80,7 @@ class Evaluator:
         if not self.static:
             lq, lk = self.lq_lk
             msg += f" [sample length {self.L}]" if lq == lk == self.L else f" [cross sample Lq={lq}, Lk={lk}]"
+            msg += f" [head {self.head}]" if self.head is not None else ""
         return MaskError(msg, self.prog.filename, line, col, self.prog.source)
 
     # ------------------------------------------------------------- driving
@@ -151,6 +152,13 @@ class Evaluator:
             return UNKNOWN if self.static else self.L
         if n in ("Lq", "Lk"):
             return UNKNOWN if self.static else self.lq_lk[n == "Lk"]
+        if n == "h":
+            if self.static:
+                return UNKNOWN
+            if self.head is None:
+                raise self.err("this mask uses the query head `h`: lower it per head (compile with the heads, "
+                               "or MaskProgram.lower(..., head=H))", node.line, node.col)
+            return self.head
         if n in env:
             return env[n]
         return self._call(node, (), env)

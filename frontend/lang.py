@@ -123,14 +123,14 @@ from typing import Any
 import numpy as np
 
 from attnplan.errors import BatchError, MaskError
-from attnplan.ir.limits import MAX_MASK_TEXT, MAX_TOKENS
+from attnplan.ir.limits import MAX_HEADS, MAX_MASK_TEXT, MAX_TOKENS
 from attnplan.ir.mask import K1, Q1, Pieces, tighten
 from attnplan.ir.segments import check_segments
 
 from .evaluate import Evaluator
 from .grammar import end_position, parse_text
 from .lower import lower_batch
-from .names import Scope, resolve
+from .names import Scope, mentions, resolve
 from .render import render
 from .setops import Budget
 from .stdlib import Segments
@@ -148,6 +148,7 @@ class MaskProgram:
     uses_segments: bool
     _lets: dict = field(repr=False, compare=False)
     _expr: Any = field(repr=False, compare=False)
+    uses_heads: bool = False  # names the query head ``h``: lowered once per head
 
     def __repr__(self):
         text = self.source.strip()
@@ -171,28 +172,31 @@ class MaskProgram:
             return self.filename
         return " ".join(self.source.split())
 
-    def lower(self, length: int, segments: tuple[tuple[str, int], ...] | None = None) -> Pieces:
+    def lower(self, length: int, segments: tuple[tuple[str, int], ...] | None = None,
+              head: int | None = None) -> Pieces:
         """Sample-relative disjoint pieces inside ``[0, length)^2``.
 
         ``segments``: ``((kind, length), ...)`` summing to ``length``; None is one
-        segment of kind ``text``."""
-        return self._lower(length, segments, Budget())
+        segment of kind ``text``. ``head``: the query head ``h`` stands for
+        (needed when the mask uses ``h``)."""
+        return self._lower(length, segments, Budget(), head)
 
-    def lower_cross(self, lq: int, lk: int) -> Pieces:
+    def lower_cross(self, lq: int, lk: int, head: int | None = None) -> Pieces:
         """Pieces of a cross-attention sample with ``lq`` queries and ``lk`` keys,
         inside ``[0, lq) x [0, lk)`` (sample-relative on both sides)."""
-        return self._lower_cross(lq, lk, Budget())
+        return self._lower_cross(lq, lk, Budget(), head)
 
-    def _lower(self, length, segments, budget: Budget) -> Pieces:
+    def _lower(self, length, segments, budget: Budget, head: int | None = None) -> Pieces:
         length = _check_length(length)
         seg = Segments.of(length, _check_segments(length, segments))
-        return Evaluator(self, length, seg, budget).mask(self._expr, {})
+        return Evaluator(self, length, seg, budget, head=_check_head(head)).mask(self._expr, {})
 
-    def _lower_cross(self, lq, lk, budget: Budget) -> Pieces:
+    def _lower_cross(self, lq, lk, budget: Budget, head: int | None = None) -> Pieces:
         """The mask on the square of side max(lq, lk), clipped to lq x lk (see the module doc)."""
         lq, lk = _check_length(lq), _check_length(lk)
         side = max(lq, lk)
-        a = Evaluator(self, side, Segments.of(side, None), budget, cross=(lq, lk)).mask(self._expr, {}).a.copy()
+        ev = Evaluator(self, side, Segments.of(side, None), budget, cross=(lq, lk), head=_check_head(head))
+        a = ev.mask(self._expr, {}).a.copy()
         a[:, Q1] = np.minimum(a[:, Q1], lq)
         a[:, K1] = np.minimum(a[:, K1], lk)
         return Pieces(a[tighten(a)])
@@ -204,6 +208,13 @@ def _check_length(length) -> int:
         raise BatchError(f"sample length must be a positive integer (at most MAX_TOKENS = {MAX_TOKENS:,}), "
                          f"got {length!r}")
     return int(length)
+
+
+def _check_head(head):
+    if head is not None and (isinstance(head, (bool, np.bool_)) or not isinstance(head, (int, np.integer))
+                             or not 0 <= head < MAX_HEADS):
+        raise MaskError(f"head must be an integer in [0, {MAX_HEADS}) (MAX_HEADS), got {head!r}")
+    return None if head is None else int(head)
 
 
 def _check_segments(length: int, segments):
@@ -262,7 +273,8 @@ def _parse(text: str, filename: str) -> MaskProgram:
             raise MaskError("empty mask: write an expression such as `causal`", filename, 1, 1, text)
         raise MaskError("no mask expression: write one expression (e.g. `causal`) or `mask = EXPR`",
                         filename, *end_position(text), text)
-    prog = MaskProgram(text, filename, uses, lets, main.expr)
+    heads = mentions([main.expr, *(s.body for s in lets.values())], "h")
+    prog = MaskProgram(text, filename, uses, lets, main.expr, heads)
     ev = Evaluator(prog, None, None)
     for let in lets.values():
         if let.params is None:

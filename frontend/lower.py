@@ -23,7 +23,7 @@ from attnplan.ir.segments import check_segments
 from .batch import Batch
 from .setops import Budget
 
-__all__ = ["batch_lengths", "lower_batch"]
+__all__ = ["batch_lengths", "lower_batch", "lower_heads"]
 
 
 def _first_bad(values, ok) -> int:
@@ -91,12 +91,13 @@ def _distinct(mask, lens: np.ndarray, segments):
     return list(index), np.array(first, dtype=np.int64), inverse
 
 
-def _lower_distinct(mask, keys, first, cross: bool = False) -> list[np.ndarray]:
+def _lower_distinct(mask, keys, first, cross: bool = False, head: int | None = None) -> list[np.ndarray]:
     budget = Budget()
     out = []
     for (n, seg), i in zip(keys, first.tolist()):
         try:
-            out.append(mask._lower_cross(*divmod(n, 1 << 32), budget).a if cross else mask._lower(n, seg, budget).a)
+            out.append(mask._lower_cross(*divmod(n, 1 << 32), budget, head).a if cross
+                       else mask._lower(n, seg, budget, head).a)
         except MaskError as e:
             raise MaskError(f"{e.message} (sample {i})", e.filename, e.line, e.col, e.text) from None
     return out
@@ -113,7 +114,7 @@ def _check_total(per_sample: np.ndarray, lens: np.ndarray, filename: str) -> int
     return total
 
 
-def lower_batch(mask, seqlens, segments=None, q_lens=None) -> Pieces:
+def lower_batch(mask, seqlens, segments=None, q_lens=None, head: int | None = None) -> Pieces:
     """The whole packed mask: sample ``i`` lowered and shifted to its offset.
 
     ``seqlens`` is a sequence of positive lengths (or a :class:`Batch`, whose
@@ -123,7 +124,8 @@ def lower_batch(mask, seqlens, segments=None, q_lens=None) -> Pieces:
     ``q_lens`` (cross-attention, :class:`~attnplan.ir.problem.Problem`): sample
     ``i`` is ``q_lens[i]`` queries then ``seqlens[i] - q_lens[i]`` keys on the
     packed axis; its pieces are lowered by ``MaskProgram.lower_cross`` and
-    their keys shifted past its queries."""
+    their keys shifted past its queries. ``head``: the query head ``h``
+    stands for (a mask that uses ``h``: see :func:`lower_heads`)."""
     if isinstance(seqlens, Batch) and seqlens.seqlens_k is not None:  # cross: packed = queries then keys
         q_lens = seqlens.seqlens
         seqlens = [a + b for a, b in zip(seqlens.seqlens, seqlens.seqlens_k)]
@@ -131,9 +133,9 @@ def lower_batch(mask, seqlens, segments=None, q_lens=None) -> Pieces:
     if not len(lens):
         return Pieces.empty()
     if q_lens is not None:
-        return _lower_cross_batch(mask, lens, np.asarray(q_lens, np.int64))
+        return _lower_cross_batch(mask, lens, np.asarray(q_lens, np.int64), head)
     keys, first, inverse = _distinct(mask, lens, segments)
-    out, rows = _gather(mask, _lower_distinct(mask, keys, first), inverse, lens)
+    out, rows = _gather(mask, _lower_distinct(mask, keys, first, head=head), inverse, lens)
     out[:, :4] += (np.cumsum(lens) - lens)[rows][:, None]
     return Pieces(out)
 
@@ -150,11 +152,42 @@ def _gather(mask, arrays: list, inverse: np.ndarray, lens: np.ndarray) -> tuple[
     return np.concatenate(arrays)[starts[inverse][sample_of_row] + within], sample_of_row
 
 
-def _lower_cross_batch(mask, lens: np.ndarray, q_lens: np.ndarray) -> Pieces:
+def _lower_cross_batch(mask, lens: np.ndarray, q_lens: np.ndarray, head: int | None) -> Pieces:
     """:func:`lower_batch` of cross-attention samples (distinct (Lq, Lk) lowered once)."""
     pairs = q_lens * (1 << 32) + (lens - q_lens)  # (Lq, Lk), both < 2^32 (MAX_TOKENS)
     keys, first, inverse = _distinct(mask, pairs, None)
-    out, rows = _gather(mask, _lower_distinct(mask, keys, first, cross=True), inverse, lens)
+    out, rows = _gather(mask, _lower_distinct(mask, keys, first, cross=True, head=head), inverse, lens)
     out[:, [2, 3, 4, 5]] += q_lens[rows][:, None]  # keys follow the sample's queries: k, and k - q, move by Lq
     out[:, :4] += (np.cumsum(lens) - lens)[rows][:, None]
     return Pieces(out)
+
+
+def lower_heads(mask, seqlens, segments=None, q_lens=None, heads: int = 1):
+    """The packed mask of every query head: (pieces, class_ptr, head_class).
+
+    A mask that does not use ``h`` is one class: (``lower_batch``, None,
+    None). Otherwise it is lowered once per head ``0 .. heads-1``; heads
+    with identical pieces share a *mask class* (numbered by first head), the
+    classes' pieces are concatenated in class order, ``class_ptr`` (classes
+    + 1) indexes them and ``head_class`` names each head's class (both None
+    when every head has the same mask). Work is ``heads`` lowerings."""
+    if not mask.uses_heads:
+        return lower_batch(mask, seqlens, segments, q_lens), None, None
+    index: dict[bytes, int] = {}
+    arrays: list[np.ndarray] = []
+    head_class: list[int] = []
+    total = 0
+    for h in range(heads):
+        a = lower_batch(mask, seqlens, segments, q_lens, head=h).a
+        c = index.setdefault(a.tobytes(), len(index))
+        if c == len(arrays):
+            total += len(a)
+            if total > MAX_MASK_PIECES:
+                raise MaskError(f"the per-head mask has {total:,} pieces over its distinct heads (head {h}), more "
+                                f"than MAX_MASK_PIECES = {MAX_MASK_PIECES:,} (ir/limits.py)", mask.filename)
+            arrays.append(a)
+        head_class.append(c)
+    if len(arrays) == 1:
+        return Pieces(arrays[0]), None, None
+    ptr = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
+    return Pieces(np.concatenate(arrays)), ptr, np.asarray(head_class, np.int64)

@@ -14,7 +14,7 @@ from attnplan.errors import MaskError
 from .stdlib import BUILTINS
 from .tree import FUTURE, RESERVED, Call, Chain, Fold, InSeg, Let, Name, Unary
 
-__all__ = ["Scope", "resolve"]
+__all__ = ["Scope", "mentions", "resolve"]
 
 Err = Callable[..., MaskError]  # (message, line, col) -> MaskError
 
@@ -57,6 +57,17 @@ def resolve(expr, params: frozenset, scope: Scope, err: Err) -> bool:
     return uses
 
 
+def mentions(exprs, name: str) -> bool:
+    """Whether any of ``exprs`` names ``name`` (walked with an explicit stack)."""
+    stack = list(exprs)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Name) and node.name == name:
+            return True
+        stack.extend(_children(node))
+    return False
+
+
 def _check_name(node, params: frozenset, scope: Scope, err: Err) -> bool:
     """Check one name or call (not its arguments); return whether it uses segments."""
     n = node.name
@@ -66,7 +77,8 @@ def _check_name(node, params: frozenset, scope: Scope, err: Err) -> bool:
                   node.line, node.col)
     if n in params or n in RESERVED:
         if is_call:
-            what = "a parameter" if n in params else "a position" if n in ("q", "k") else "a sample length"
+            what = ("a parameter" if n in params else "a position" if n in ("q", "k")
+                    else "the query head" if n == "h" else "a sample length")
             raise err(f"`{n}` is {what}, not a mask or function: it cannot be called", node.line, node.col)
         return False
     nargs = len(node.args) if is_call else 0
@@ -104,4 +116,4 @@ def _unknown_msg(name, params, scope: Scope):
     if mine:
         shown = ", ".join(mine[:20]) + (f", ... ({len(mine)} in all)" if len(mine) > 20 else "")
         msg += f"; defined here: {shown}"
-    return msg + "; positions: q, k; sample lengths: L, Lq, Lk"
+    return msg + "; positions: q, k; sample lengths: L, Lq, Lk; query head: h"

@@ -24,9 +24,9 @@ from .stdlib import BUILTINS
 __all__ = ["Node", "Num", "Name", "Call", "Fold", "Unary", "Chain", "InSeg", "Let", "MaskStmt", "RESERVED",
            "FUTURE", "start_of", "to_ast"]
 
-RESERVED = ("q", "k", "L", "Lq", "Lk")
-# names kept for what the language will have (issue 12: per-head masks)
-FUTURE = {"h": "the query head of per-head masks"}
+RESERVED = ("q", "k", "L", "Lq", "Lk", "h")
+# names kept for what the language will have
+FUTURE: dict[str, str] = {}
 _MAX_DIGITS = len(str(MAX_MASK_INT))
 
 Err = Callable[..., MaskError]  # (message, line, col) -> MaskError
@@ -162,7 +162,8 @@ def _segtest(kids, err) -> InSeg:
 
 def check_definable(name: str, line: int, col: int, err: Err, what: str) -> None:
     if name in RESERVED:
-        raise err(f"`{name}` is reserved (q, k: positions, L, Lq, Lk: sample lengths) and cannot be {what}", line, col)
+        raise err(f"`{name}` is reserved (q, k: positions, L, Lq, Lk: sample lengths, h: query head) and cannot be "
+                  f"{what}", line, col)
     if name in FUTURE:
         raise err(f"`{name}` is reserved for {FUTURE[name]} (not supported yet) and cannot be {what}", line, col)
     if name == "mask":

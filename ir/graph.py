@@ -15,10 +15,17 @@
   the mask pieces clipped to its rectangle (CSR: ``tile_ptr`` into ``pieces``),
   ``piece_src`` names the mask piece each came from.
 * compute blocks ``cb``: (tile, head group); ``cb_pairs`` is exact.
+* per-head masks (``problem.head_class``): every tile belongs to one mask
+  class (``tile_class``, from its pieces' mask pieces), every head group's
+  query heads to one class (``hg_class``: head groups are cut where the class
+  changes, and kv heads copied ``kv_rep`` times where one kv head's query
+  heads differ), and the compute blocks are the (tile, head group) pairs of
+  the same class — tiles of a class then head groups, in order.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,6 +111,18 @@ class BlockGraph:
         return (self.hg_end - self.hg_start) * self.group
 
     @property
+    def tile_class(self) -> np.ndarray:
+        """The mask class of each tile (all 0 without per-head masks)."""
+        if self.problem.class_ptr is None or not self.n_tile:
+            return np.zeros(self.n_tile, np.int64)
+        return self.problem.class_of_piece()[self.piece_src[self.tile_ptr[:-1]]]
+
+    @property
+    def hg_class(self) -> np.ndarray:
+        """The mask class of each head group (that of its first query head)."""
+        return self.problem.head_classes()[self.hg_start * self.group]
+
+    @property
     def cb_q(self) -> np.ndarray:
         return self.tile_q[self.cb_tile]
 
@@ -156,6 +175,50 @@ def q_block_rows(P: np.ndarray, starts: np.ndarray, ends: np.ndarray):
     return rows[keep], src[keep], qb[keep]
 
 
+def class_kv_rep(problem: Problem, kv_rep: int) -> int:
+    """``kv_rep`` raised (to a multiple) so that every virtual kv head's query
+    heads share one mask class: the least ``r`` dividing ``heads / kv_heads``
+    with class-pure runs of ``heads / (kv_heads · r)`` heads, lcm with ``kv_rep``."""
+    if problem.head_class is None:
+        return kv_rep
+    hc, group = problem.head_class, problem.heads // problem.kv_heads
+    need = next(r for r in range(1, group + 1)
+                if group % r == 0 and (hc.reshape(-1, group // r) == hc.reshape(-1, group // r)[:, :1]).all())
+    return kv_rep * need // math.gcd(kv_rep, need)
+
+
+def class_head_groups(problem: Problem, kv_rep: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`head_groups` of the virtual kv heads, also cut where the mask class changes."""
+    kv = problem.kv_heads * kv_rep
+    hs, he = head_groups(kv, n)
+    if problem.head_class is None:
+        return hs, he
+    vclass = problem.head_class[np.arange(kv) * (problem.heads // kv)]
+    cuts = unique(np.concatenate([hs, np.flatnonzero(vclass[1:] != vclass[:-1]) + 1, [kv]]))
+    return cuts[:-1].astype(np.int64), cuts[1:].astype(np.int64)
+
+
+def hg_share(g: BlockGraph, n: int) -> np.ndarray:
+    """For each head group, which of the ``n`` near-even shares of the virtual
+    kv heads (:func:`head_groups`) holds it: the identity when the graph has
+    exactly those ``n`` groups; a share split where the mask class changes
+    keeps its parts together."""
+    starts = head_groups(g.kv_virtual, n)[0]
+    return (np.searchsorted(starts, g.hg_start, "right") - 1).astype(np.int64)
+
+
+def _compute_blocks(tile_class: np.ndarray, hg_class: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cb_tile, cb_hg): every tile with every head group of its class, in tile order then head group."""
+    order = np.argsort(hg_class, kind="stable")
+    n_cls = int(max(hg_class.max(), tile_class.max(initial=0))) + 1
+    cnt = np.bincount(hg_class, minlength=n_cls)
+    start = np.cumsum(cnt) - cnt
+    per_tile = cnt[tile_class]
+    cb_tile = np.repeat(np.arange(len(tile_class), dtype=np.int64), per_tile)
+    within = np.arange(len(cb_tile)) - np.repeat(np.cumsum(per_tile) - per_tile, per_tile)
+    return cb_tile, order[start[tile_class][cb_tile] + within].astype(np.int64)
+
+
 def check_kv_rep(problem: Problem, kv_rep: int) -> None:
     """KV-head replication ``kv_rep`` must leave every virtual kv head at least one
     query head: ``heads`` a multiple of ``kv_heads · kv_rep``; else PlanError."""
@@ -166,14 +229,18 @@ def check_kv_rep(problem: Problem, kv_rep: int) -> None:
                         f"multiple of {problem.kv_heads * kv_rep} (each copy serves whole query heads)")
 
 
-def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_rep: int = 1) -> BlockGraph:
+def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_rep: int = 1,
+                hg_starts: np.ndarray | None = None) -> BlockGraph:
     """Tile ``problem`` at the token positions ``cuts`` (0 and T are added),
-    with ``n_head_groups`` head groups over ``kv_heads · kv_rep`` (virtual) kv heads.
+    with ``n_head_groups`` head groups over ``kv_heads · kv_rep`` (virtual) kv heads
+    (:func:`class_head_groups`), or the head groups starting at ``hg_starts``
+    (a graph's own, when re-tiling it).
 
     Vectorized: mask pieces are expanded over the q blocks they touch, then
     over the kv blocks each clipped piece touches, clipped, tightened and
     grouped by (q block, kv block)."""
     check_kv_rep(problem, kv_rep)
+    kv_rep = class_kv_rep(problem, kv_rep)
     if not 1 <= n_head_groups <= problem.kv_heads * kv_rep:
         raise PlanError(f"{n_head_groups} head groups over {problem.kv_heads * kv_rep} kv heads: between 1 and "
                         f"the kv heads")
@@ -191,8 +258,8 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     rows[:, K1] = np.minimum(rows[:, K1], ends[kb])
     keep = tighten(rows)
     rows, src, qb, kb = rows[keep], src[keep], qb[keep], kb[keep]
-    # group into tiles
-    key = qb * len(starts) + kb
+    # group into tiles: (mask class, q block, kv block)
+    key = (problem.class_of_piece()[src] * len(starts) + qb) * len(starts) + kb
     order = np.lexsort((src, key))
     rows, src, key = rows[order], src[order], key[order]
     bound = np.flatnonzero(np.diff(key)) + 1
@@ -201,14 +268,19 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     tile_key = key[tile_ptr[:-1]]
     counts = piece_counts(rows)
     tile_pairs = np.add.reduceat(counts, tile_ptr[:-1]) if len(counts) else counts
-    hs, he = head_groups(problem.kv_heads * kv_rep, n_head_groups)
-    n_tile = len(tile_key)
+    if hg_starts is None:
+        hs, he = class_head_groups(problem, kv_rep, n_head_groups)
+    else:
+        hs = np.asarray(hg_starts, np.int64)
+        he = np.append(hs[1:], problem.kv_heads * kv_rep).astype(np.int64)
+    n = len(starts)
+    hg_class = problem.head_classes()[hs * (problem.heads // (problem.kv_heads * kv_rep))]
+    cb_tile, cb_hg = _compute_blocks(tile_key // (n * n), hg_class)
     return BlockGraph(
         problem=problem, tb_start=starts.copy(), tb_end=ends.copy(), hg_start=hs, hg_end=he,
-        tile_q=tile_key // len(starts), tile_k=tile_key % len(starts), tile_ptr=tile_ptr,
+        tile_q=(tile_key // n) % n, tile_k=tile_key % n, tile_ptr=tile_ptr,
         pieces=np.ascontiguousarray(rows), piece_src=src, tile_pairs=tile_pairs.astype(np.int64),
-        cb_tile=np.repeat(np.arange(n_tile, dtype=np.int64), n_head_groups),
-        cb_hg=np.tile(np.arange(n_head_groups, dtype=np.int64), n_tile), kv_rep=kv_rep,
+        cb_tile=cb_tile, cb_hg=cb_hg, kv_rep=kv_rep,
     )
 
 

@@ -118,8 +118,10 @@ def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups:
     cuts = [ir.graph.tb_start, starts]
     if extra_cuts is not None:
         cuts.append(np.asarray(extra_cuts, np.int64))
-    g = build_graph(ir.problem, np.concatenate(cuts), ir.graph.n_hg if head_groups is None else head_groups,
-                    ir.graph.kv_rep if kv_rep is None else kv_rep)
+    old = ir.graph
+    keep = head_groups is None and kv_rep is None  # the graph's own head groups (class cuts included)
+    g = build_graph(ir.problem, np.concatenate(cuts), old.n_hg if head_groups is None else head_groups,
+                    old.kv_rep if kv_rep is None else kv_rep, hg_starts=old.hg_start if keep else None)
     home = segment_home(g.tb_start, starts, devices)
     cb_device = np.array((compute or q_home)(g, home), np.int64)  # a fresh array the Placement owns
     if cb_device.shape != (g.n_cb,):

@@ -48,6 +48,26 @@ def _check_q_lens(q_lens, seqlens: np.ndarray, segments) -> np.ndarray:
     return a
 
 
+def _check_classes(head_class, class_ptr, heads: int, n_pieces: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mask classes: one per query head, numbered by first head (so at least
+    two, each used); ``class_ptr`` a non-decreasing CSR index of the pieces."""
+    hc, ptr = np.asarray(head_class), np.asarray(class_ptr)
+    if hc.ndim != 1 or len(hc) != heads or hc.dtype.kind not in "iu":
+        raise PlanError(f"head_class must be one integer per query head ({heads}), got {hc.dtype} {list(hc.shape)}")
+    n = int(hc.max()) + 1 if len(hc) else 0
+    first = np.array([np.flatnonzero(hc == c)[0] if (hc == c).any() else -1 for c in range(n)], np.int64)
+    if hc.min() < 0 or n < 2 or (first < 0).any() or (np.diff(first) <= 0).any():
+        raise PlanError(f"head_class {hc.tolist()[:16]} must number 2 or more classes 0, 1, ... by their first head")
+    if ptr.ndim != 1 or len(ptr) != n + 1 or ptr.dtype.kind not in "iu" or ptr[0] != 0 or ptr[-1] != n_pieces \
+            or (np.diff(ptr) < 0).any():
+        raise PlanError(f"class_ptr must index the {n_pieces} mask pieces by class ({n} classes + 1 entries, "
+                        f"non-decreasing from 0), got {ptr.tolist()[:16]}")
+    hc, ptr = hc.astype(np.int64), ptr.astype(np.int64)
+    hc.setflags(write=False)
+    ptr.setflags(write=False)
+    return hc, ptr
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Problem:
     """One batch packed on a single token axis.
@@ -61,7 +81,12 @@ class Problem:
     and every mask piece lies in its queries x its keys. Q (and O) of a key
     token and K, V of a query token exist on the packed axis but no compute
     block uses them: strategies place the two sides' tokens independently,
-    the runtime fills them with zeros (``query_index``, ``key_index``)."""
+    the runtime fills them with zeros (``query_index``, ``key_index``).
+
+    Per-head masks (``head_class`` set): query head ``h`` sees the mask of
+    class ``head_class[h]`` — the pieces ``pieces[class_ptr[c]:class_ptr[c+1]]``
+    (disjoint within a class). Classes are numbered by their first head;
+    there are at least two (one class is written as None)."""
 
     seqlens: np.ndarray
     heads: int
@@ -72,6 +97,8 @@ class Problem:
     segments: tuple | None = None
     dtype: str = "bfloat16"
     q_lens: np.ndarray | None = None
+    head_class: np.ndarray | None = None
+    class_ptr: np.ndarray | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "seqlens", _check_seqlens(self.seqlens))
@@ -93,6 +120,12 @@ class Problem:
         if len(self.pieces) > MAX_MASK_PIECES:
             raise PlanError(f"the mask has {len(self.pieces)} pieces, over the limit MAX_MASK_PIECES = "
                             f"{MAX_MASK_PIECES}")
+        if (self.head_class is None) != (self.class_ptr is None):
+            raise PlanError("per-head masks need both head_class and class_ptr")
+        if self.head_class is not None:
+            hc, ptr = _check_classes(self.head_class, self.class_ptr, self.heads, len(self.pieces))
+            object.__setattr__(self, "head_class", hc)
+            object.__setattr__(self, "class_ptr", ptr)
 
     @property
     def tokens(self) -> int:
@@ -130,9 +163,42 @@ class Problem:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def n_classes(self) -> int:
+        """Mask classes (1 unless per-head masks)."""
+        return 1 if self.class_ptr is None else len(self.class_ptr) - 1
+
+    def class_of_piece(self) -> np.ndarray:
+        if self.class_ptr is None:
+            return np.zeros(len(self.pieces), np.int64)
+        return np.repeat(np.arange(self.n_classes, dtype=np.int64), np.diff(self.class_ptr))
+
+    def class_pieces(self, c: int) -> Pieces:
+        if self.class_ptr is None:
+            return self.pieces
+        return Pieces(self.pieces.a[self.class_ptr[c]:self.class_ptr[c + 1]])
+
+    def piece_heads(self) -> np.ndarray | None:
+        """Query heads that see each mask piece (its class's heads): the
+        piece's work weight; None without per-head masks (every piece: all heads)."""
+        if self.head_class is None:
+            return None
+        return np.bincount(self.head_class, minlength=self.n_classes)[self.class_of_piece()].astype(np.int64)
+
+    def class_heads(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Per-head masks as ``[(query heads of class c, its pieces array), ...]``; None without them."""
+        if self.head_class is None:
+            return None
+        return [(np.flatnonzero(self.head_class == c), self.class_pieces(c).a) for c in range(self.n_classes)]
+
+    def head_classes(self) -> np.ndarray:
+        """The mask class of every query head."""
+        return np.zeros(self.heads, np.int64) if self.head_class is None else self.head_class
+
     def pairs(self) -> int:
-        """Allowed (q, k) pairs × query heads."""
-        return self.pieces.pair_count() * self.heads
+        """Allowed (q, k) pairs × query heads (each head with its class's mask)."""
+        per_class = np.bincount(self.head_classes(), minlength=self.n_classes)
+        return sum(self.class_pieces(c).pair_count() * int(n) for c, n in enumerate(per_class))
 
     def flops_fwd(self) -> int:
         return 4 * self.head_dim * self.pairs()
@@ -143,6 +209,8 @@ class Problem:
         if self.q_lens is not None:
             ql = self.q_lens.tolist()
             shown += "; cross-attention, queries [" + ", ".join(map(str, ql[:16])) + (", ..." * (len(ql) > 16)) + "]"
+        if self.head_class is not None:
+            shown += f"; per-head masks, {self.n_classes} classes, head classes {self.head_class.tolist()[:32]}"
         return (f"problem tokens={self.tokens} heads={self.heads} kv_heads={self.kv_heads} "
                 f"head_dim={self.head_dim} dtype={self.dtype} pieces={len(self.pieces)} "
                 f"pairs={self.pairs()}\n  seqlens [{shown}]\n  mask {self.mask.strip()!r}")

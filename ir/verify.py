@@ -64,6 +64,15 @@ __all__ = ["NEED_DST", "NEED_HG", "NEED_SRC", "NEED_TB", "VerifyCache", "needed_
 
 # ------------------------------------------------------------------------------------------------ problem
 
+def _class_overlap(a: np.ndarray, ptr: list) -> tuple[int, int] | None:
+    """Two overlapping pieces of one mask class (classes ``a[ptr[c]:ptr[c+1]]``), or None."""
+    for lo, hi in zip(ptr[:-1], ptr[1:]):
+        hit = first_overlap(a[lo:hi])
+        if hit is not None:
+            return hit[0] + lo, hit[1] + lo
+    return None
+
+
 def verify_problem(p: Problem) -> None:
     a = p.pieces.a
     _shape(a, (None, 6), "mask pieces", 1)
@@ -86,7 +95,7 @@ def verify_problem(p: Problem) -> None:
     if ((band < -T) | (band > T)).any() or not np.array_equal(normalize(a), a) \
             or (piece_counts(a) <= 0).any():
         _fail(1, "mask pieces are not in canonical (tightened, non-empty) form")
-    hit = first_overlap(a)
+    hit = _class_overlap(a, [0, len(a)] if p.class_ptr is None else p.class_ptr.tolist())
     if hit is not None:
         x, y = hit
         _fail(1, f"mask pieces {x} {a[x].tolist()} and {y} {a[y].tolist()} overlap")
@@ -115,6 +124,13 @@ def _check_blocks(g: BlockGraph) -> None:
     if not g.n_hg or g.hg_start[0] != 0 or g.hg_end[-1] != p.kv_heads * rep \
             or not np.array_equal(g.hg_start[1:], g.hg_end[:-1]) or (g.hg_end <= g.hg_start).any():
         _fail(2, "head groups do not partition the kv heads" + (f" (x kv_rep {rep})" if rep > 1 else ""))
+    if p.head_class is not None:  # per-head masks: a head group's query heads share one mask class
+        group = p.heads // (p.kv_heads * rep)
+        per_head = np.repeat(np.arange(g.n_hg), (g.hg_end - g.hg_start) * group)
+        bad = _first(p.head_class != g.hg_class[per_head])
+        if bad is not None:
+            _fail(2, f"head group {per_head[bad]} holds query heads of mask classes {g.hg_class[per_head[bad]]} and "
+                     f"{p.head_class[bad]} (head {bad})")
 
 
 def _check_tile_index(g: BlockGraph) -> None:
@@ -124,13 +140,19 @@ def _check_tile_index(g: BlockGraph) -> None:
         _fail(2, f"tile {bad} names token blocks ({g.tile_q[bad]}, {g.tile_k[bad]}) outside 0..{g.n_tb - 1}")
     if g.tile_ptr[0] != 0 or g.tile_ptr[-1] != len(g.pieces) or (np.diff(g.tile_ptr) <= 0).any():
         _fail(2, "tile piece pointers are malformed")
-    key = np.sort(g.tile_q * g.n_tb + g.tile_k)
-    dup = _first(key[1:] == key[:-1])
-    if dup is not None:
-        _fail(2, f"tile (q block, kv block) {divmod(int(key[dup]), g.n_tb)} appears twice")
     bad = _first((g.piece_src < 0) | (g.piece_src >= len(g.problem.pieces)))
     if bad is not None:
         _fail(2, f"tile piece {bad} comes from mask piece {g.piece_src[bad]}, which does not exist")
+    cls = g.problem.class_of_piece()[g.piece_src]
+    owner = np.repeat(np.arange(g.n_tile), np.diff(g.tile_ptr))
+    bad = _first(cls != g.tile_class[owner])
+    if bad is not None:
+        _fail(2, f"tile {owner[bad]} holds pieces of mask classes {g.tile_class[owner[bad]]} and {cls[bad]}")
+    key = np.sort((g.tile_class * g.n_tb + g.tile_q) * g.n_tb + g.tile_k)
+    dup = _first(key[1:] == key[:-1])
+    if dup is not None:
+        c, qk = divmod(int(key[dup]), g.n_tb * g.n_tb)
+        _fail(2, f"tile (q block, kv block) {divmod(qk, g.n_tb)} appears twice" + (f" in mask class {c}" if c else ""))
 
 
 def _check_tile_pieces(g: BlockGraph) -> None:
@@ -168,12 +190,26 @@ def _check_tile_pieces(g: BlockGraph) -> None:
 
 
 def _check_compute_blocks(g: BlockGraph) -> None:
-    """Every (tile, head group) is exactly one compute block."""
+    """Every (tile, head group) of one mask class is exactly one compute block."""
     n, h = g.n_tile, g.n_hg
     bad = _first((g.cb_tile < 0) | (g.cb_tile >= n) | (g.cb_hg < 0) | (g.cb_hg >= h))
     if bad is not None:
         _fail(2, f"compute block c{bad} refers to tile {g.cb_tile[bad]} / head group {g.cb_hg[bad]}, which do "
                  f"not exist")
+    tc, hc = g.tile_class, g.hg_class
+    bad = _first(tc[g.cb_tile] != hc[g.cb_hg])
+    if bad is not None:
+        _fail(2, f"compute block c{bad} pairs tile {g.cb_tile[bad]} (mask class {tc[g.cb_tile[bad]]}) with head "
+                 f"group {g.cb_hg[bad]} (mask class {hc[g.cb_hg[bad]]})")
+    if g.problem.head_class is not None:  # count per class: every tile of class c with every head group of c
+        want = int(np.bincount(hc, minlength=int(tc.max(initial=0)) + 1)[tc].sum())
+        key = np.sort(g.cb_tile * h + g.cb_hg)
+        dup = _first(key[1:] == key[:-1])
+        if dup is not None or len(key) != want:
+            k = int(key[dup]) if dup is not None else 0
+            _fail(2, f"compute blocks of tile {k // h} / head group {k % h} repeat" if dup is not None else
+                  f"{len(key)} compute blocks where the tiles and head groups of each mask class make {want}")
+        return
     key = g.cb_tile * h + g.cb_hg
     order = np.argsort(key, kind="stable")
     sk = key[order]

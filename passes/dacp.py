@@ -84,9 +84,10 @@ DISTRIBUTED = -1
 
 def doc_pairs(problem: Problem) -> np.ndarray:
     """Allowed (q, k) pairs of every document (pieces never cross samples)."""
-    a = problem.pieces.a
+    a, w = problem.pieces.a, problem.piece_heads()  # per-head masks: pairs x the heads that see them
     doc = np.searchsorted(problem.offsets, a[:, Q0], "right") - 1
-    return np.bincount(doc, weights=piece_counts(a), minlength=len(problem.seqlens)).astype(np.int64)
+    counts = piece_counts(a) * (1 if w is None else w)
+    return np.bincount(doc, weights=counts, minlength=len(problem.seqlens)).astype(np.int64)
 
 
 def zigzag_bounds(length: int, n: int) -> np.ndarray:

@@ -79,8 +79,10 @@ def token_cap(tokens: int, devices: int, slack: float) -> float:
     return math.inf if math.isinf(slack) else float(math.ceil((1.0 + slack) * tokens / devices))
 
 
-def interval_pairs(pieces: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """Exact allowed pairs whose query row lies in each interval ``[bounds[i], bounds[i+1])``.
+def interval_pairs(pieces: np.ndarray, bounds: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """Exact allowed pairs whose query row lies in each interval ``[bounds[i], bounds[i+1])``
+    (each piece's pairs times its integer weight, if given: per-head masks
+    count a piece once per head of its class, :meth:`Problem.piece_heads`).
 
     ``bounds`` is non-decreasing (empty intervals get 0). Each mask piece is
     clipped to the intervals its rows touch and counted in closed form, so the
@@ -95,18 +97,20 @@ def interval_pairs(pieces: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     rows[:, Q0] = np.maximum(rows[:, Q0], bounds[iv])
     rows[:, Q1] = np.minimum(rows[:, Q1], bounds[iv + 1])
     keep = tighten(rows)
-    return np.bincount(iv[keep], weights=piece_counts(rows[keep]), minlength=n).astype(np.int64)
+    counts = piece_counts(rows[keep]) * (1 if weights is None else weights[src[keep]])
+    return np.bincount(iv[keep], weights=counts, minlength=n).astype(np.int64)
 
 
-def prefix_pairs(pieces: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def prefix_pairs(pieces: np.ndarray, rows: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """Allowed pairs whose query lies in ``[0, r)``, for every ``r`` of ``rows`` (any order)."""
     u, inv = np.unique(np.asarray(rows, np.int64), return_inverse=True)
     end = max(int(u[-1]), int(pieces[:, Q1].max())) if len(pieces) and len(u) else 0
-    cum = np.cumsum(interval_pairs(pieces, np.concatenate([[0], u, [end]])))
+    cum = np.cumsum(interval_pairs(pieces, np.concatenate([[0], u, [end]]), weights))
     return cum[inv.reshape(-1)]
 
 
-def split_by_work(pieces: np.ndarray, bounds: np.ndarray, areas: np.ndarray, cap: float) -> np.ndarray:
+def split_by_work(pieces: np.ndarray, bounds: np.ndarray, areas: np.ndarray, cap: float,
+                  weights: np.ndarray | None = None) -> np.ndarray:
     """``bounds`` with every interval whose area exceeds ``cap`` cut into
     ``m = ceil(area / cap)`` pieces of equal work (at most one per query row).
 
@@ -121,11 +125,11 @@ def split_by_work(pieces: np.ndarray, bounds: np.ndarray, areas: np.ndarray, cap
         return bounds
     owner, j = _expand(np.ones(len(heavy), np.int64), parts[heavy] - 1)
     iv = heavy[owner]
-    target = prefix_pairs(pieces, bounds[iv]) + (j * areas[iv]) // parts[iv]
+    target = prefix_pairs(pieces, bounds[iv], weights) + (j * areas[iv]) // parts[iv]
     lo, hi = bounds[iv] + 1, bounds[iv + 1]         # the cut is in (a, b]: pairs[a, b) = area >= target
     while (open_ := lo < hi).any():
         mid = (lo + hi) // 2
-        reached = prefix_pairs(pieces, mid) >= target
+        reached = prefix_pairs(pieces, mid, weights) >= target
         hi = np.where(open_ & reached, mid, hi)
         lo = np.where(open_ & ~reached, mid + 1, lo)
     return unique(np.concatenate([bounds, np.minimum(lo, bounds[iv + 1])]))
@@ -191,27 +195,28 @@ class MinHeap(Pass):
         boundaries (``k·N + 1`` of them unless stage 2 cut chunks by work) and the
         device of every chunk."""
         T, n = ir.problem.tokens, ir.devices
-        P = ir.problem.pieces.a
+        P, w = ir.problem.pieces.a, ir.problem.piece_heads()
         if self.chunk:
             k = max(1, -(-T // (self.chunk * n)))
             bounds = chunk_bounds(T, k * n)
-            return k, bounds, minheap_assign(interval_pairs(P, bounds), n, k)
+            return k, bounds, minheap_assign(interval_pairs(P, bounds, w), n, k)
         ks = [1]
         while T // (2 * ks[-1] * n) >= self.min_chunk:
             ks.append(2 * ks[-1])
         splits = []
         for k in ks:                                                  # stage 1: equal chunks
             bounds = chunk_bounds(T, k * n)
-            areas = interval_pairs(P, bounds)
+            areas = interval_pairs(P, bounds, w)
             dev = minheap_assign(areas, n, k)
             imb = imbalance(np.bincount(dev, weights=areas, minlength=n))
             if imb <= self.balance:
                 return k, bounds, dev
             splits.append((bounds, areas))
-        return self.cut_by_work(P, ks, splits, n, (imb, ks[-1], bounds, dev))
+        return self.cut_by_work(P, ks, splits, n, (imb, ks[-1], bounds, dev), w)
 
     def cut_by_work(self, P: np.ndarray, ks: list[int], splits: list[tuple[np.ndarray, np.ndarray]], n: int,
-                    best: tuple[float, int, np.ndarray, np.ndarray]) -> tuple[int, np.ndarray, np.ndarray]:
+                    best: tuple[float, int, np.ndarray, np.ndarray],
+                    w: np.ndarray | None = None) -> tuple[int, np.ndarray, np.ndarray]:
         """Stage 2 of the module doc. ``splits[i]`` holds the bounds and areas of
         stage 1's equal split with ``ks[i]`` chunks a device. Tries, in order: the
         piece cap (coarsest first), ``k`` (coarsest first), the token slack
@@ -223,8 +228,8 @@ class MinHeap(Pass):
         first: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         for f in self.piece_caps():
             for k, (bounds, areas) in zip(ks, splits):
-                cut = split_by_work(P, bounds, areas, f * mean)
-                cut_areas, sizes = interval_pairs(P, cut), np.diff(cut)
+                cut = split_by_work(P, bounds, areas, f * mean, w)
+                cut_areas, sizes = interval_pairs(P, cut, w), np.diff(cut)
                 lpt = minheap_assign(cut_areas, n, math.inf, sizes)
                 imb = imbalance(np.bincount(lpt, weights=cut_areas, minlength=n))
                 if imb > self.balance:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
+from ..ir.graph import hg_share
 from ..ir.module import PlanIR
 from ..ir.placement import chunk_bounds, place_segments
 from .base import Pass, register
@@ -82,4 +83,4 @@ class Ulysses(Pass):
         # contiguous shares homed in device order; head group h computed on device h
         bounds = chunk_bounds(ir.problem.tokens, n)
         return place_segments(ir, bounds[:-1], np.arange(n), head_groups=n, kv_rep=rep,
-                              compute=lambda g, home: g.cb_hg)
+                              compute=lambda g, home: hg_share(g, n)[g.cb_hg])

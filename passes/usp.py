@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
+from ..ir.graph import hg_share
 from ..ir.module import PlanIR
 from ..ir.placement import chunk_bounds, place_segments, zigzag_device
 from .base import Pass, register
@@ -86,4 +87,4 @@ class Usp(Pass):
         starts, devices = usp_segments(ir.problem.tokens, ir.devices // u, u)
         # compute block (tile, hg) on device hg of the rank that holds its Q block
         return place_segments(ir, starts, devices, head_groups=u, kv_rep=rep,
-                              compute=lambda g, home: (home[g.cb_q] // u) * u + g.cb_hg)
+                              compute=lambda g, home: (home[g.cb_q] // u) * u + hg_share(g, u)[g.cb_hg])

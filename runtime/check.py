@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ..errors import PlanError
@@ -87,13 +88,12 @@ def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 
     dk = torch.zeros(k.shape, dtype=torch.float64)
     dv = torch.zeros(v.shape, dtype=torch.float64)
     off = problem.offsets
-    P = problem.pieces.a
+    classes = problem.class_heads() or [(np.arange(problem.heads), problem.pieces.a)]
     rep = q.shape[1] // k.shape[1]
     for i in range(len(problem.seqlens)):
         a, b = int(off[i]), int(off[i + 1])
         L = b - a
-        sel = torch.from_numpy(P[(P[:, Q0] >= a) & (P[:, Q0] < b) & (P[:, K0] >= a) & (P[:, K0] < b)].copy())
-        sel[:, :4] -= a
+        sels = [(heads, _sample_pieces(P, a, b)) for heads, P in classes]
         ke = k[a:b].to(torch.float64).repeat_interleave(rep, dim=1)  # [L, Hq, D]
         ve = v[a:b].to(torch.float64).repeat_interleave(rep, dim=1)
         dke, dve = torch.zeros_like(ke), torch.zeros_like(ve)
@@ -102,9 +102,12 @@ def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 
         for r0 in range(0, L, step):
             r1 = min(L, r0 + step)
             qq = torch.arange(r0, r1).unsqueeze(1)
-            allowed = torch.zeros((r1 - r0, L), dtype=torch.bool)
-            for q0, q1, k0, k1, lo, hi in sel.tolist():
-                allowed |= (qq >= q0) & (qq < q1) & (kk >= k0) & (kk < k1) & (kk - qq >= lo) & (kk - qq <= hi)
+            allowed = torch.zeros((q.shape[1], r1 - r0, L), dtype=torch.bool)  # [H, rows, keys]: per-head masks
+            for heads, sel in sels:
+                one = torch.zeros((r1 - r0, L), dtype=torch.bool)
+                for q0, q1, k0, k1, lo, hi in sel.tolist():
+                    one |= (qq >= q0) & (qq < q1) & (kk >= k0) & (kk < k1) & (kk - qq >= lo) & (kk - qq <= hi)
+                allowed[torch.from_numpy(heads)] = one
             qc = q[a + r0:a + r1].to(torch.float64)
             doc = dout[a + r0:a + r1].to(torch.float64)
             s = torch.einsum("qhd,khd->hqk", qc, ke).mul_(scale).masked_fill_(~allowed, float("-inf"))
@@ -112,7 +115,7 @@ def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 
             p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
             den = p.sum(dim=-1, keepdim=True)
             # rows without keys: out 0; rows whose allowed scores are all -inf (infinite inputs): 0/0 = NaN
-            p.div_(torch.where(allowed.any(dim=1)[None, :, None], den, torch.ones_like(den)))
+            p.div_(torch.where(allowed.any(dim=2)[:, :, None], den, torch.ones_like(den)))
             oc = torch.einsum("hqk,khd->qhd", p, ve)
             delta = (doc * oc).sum(-1).transpose(0, 1).unsqueeze(-1)  # [H, c, 1]
             ds = p * (torch.einsum("qhd,khd->hqk", doc, ve) - delta)
@@ -125,9 +128,18 @@ def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 
     return out, [dq, dk, dv]
 
 
+def _sample_pieces(P: np.ndarray, a: int, b: int) -> torch.Tensor:
+    """The pieces of the sample ``[a, b)``, sample-relative."""
+    sel = torch.from_numpy(P[(P[:, Q0] >= a) & (P[:, Q0] < b) & (P[:, K0] >= a) & (P[:, K0] < b)].copy())
+    sel[:, :4] -= a
+    return sel
+
+
 def reference_autograd(problem, q, k, v, dout, scale: float):
     """Dense float64 out and gradients by autograd through ``dense_attention``, sample by sample."""
     out = torch.zeros(q.shape, dtype=torch.float64)
+    if problem.head_class is not None:
+        raise PlanError("reference_autograd takes one mask for every head (reference handles per-head masks)")
     grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
     off = problem.offsets
     P = problem.pieces.a

@@ -371,7 +371,8 @@ class DistAttention(torch.autograd.Function):
         out = torch.zeros(T, Hq, D, dtype=acc)
         lse = torch.full((T, Hq), NEG_INF, dtype=acc)
         call.run(FWD, {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out, "lse": lse}, q.dtype)
-        settle_rows_without_mass(out, lse, layout.local_index(call.ir, call.device), call.ir.problem.pieces.a)
+        p = call.ir.problem
+        settle_rows_without_mass(out, lse, layout.local_index(call.ir, call.device), p.pieces.a, p.class_heads())
         res = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, res, lse)
         ctx.call = call

@@ -152,7 +152,8 @@ def run_forward(plan_ir, q, k, v, scale: float, timings: Timings | None = None):
     out = torch.zeros(T, Hq, D, dtype=acc)
     lse = torch.full((T, Hq), NEG_INF, dtype=acc)
     _run_all(plan_ir, FWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale, q.dtype, timings)
-    settle_rows_without_mass(out, lse, np.arange(T), plan_ir.problem.pieces.a)
+    p = plan_ir.problem
+    settle_rows_without_mass(out, lse, np.arange(T), p.pieces.a, p.class_heads())
     return out, lse
 
 

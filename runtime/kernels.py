@@ -395,18 +395,22 @@ def _exact_call_bwd(qi, ki, vi, oi, doi, li, allowed: Tensor | None, scale: floa
             dv.transpose(0, 1).reshape(n, hkv, rep, d).sum(2))
 
 
-def settle_rows_without_mass(out: Tensor, lse: Tensor, rows, pieces) -> None:
+def settle_rows_without_mass(out: Tensor, lse: Tensor, rows, pieces, classes=None) -> None:
     """After the last merge: a row that the mask allows some key but that got
     no softmax mass (lse −inf: every allowed score was −inf, from infinite
     inputs) is NaN, as in dense masked softmax; rows without keys keep out 0,
-    lse −inf. ``rows``: the global token index of each row of ``out``/``lse``."""
+    lse −inf. ``rows``: the global token index of each row of ``out``/``lse``.
+    ``classes``: per-head masks, ``[(query heads, their pieces), ...]``
+    (default: every head sees ``pieces``)."""
     dead = torch.isneginf(lse)
     if not bool(dead.any()):
         return
     r = torch.nonzero(dead.any(dim=1)).flatten()
-    has = torch.from_numpy(rows_with_keys(np.asarray(rows)[r.numpy()], pieces))
     bad = torch.zeros_like(dead)
-    bad[r[has]] = dead[r[has]]
+    for heads, P in [(np.arange(lse.shape[1]), pieces)] if classes is None else classes:
+        has = torch.from_numpy(rows_with_keys(np.asarray(rows)[r.numpy()], P))
+        idx = (r[has][:, None], torch.from_numpy(np.asarray(heads, np.int64))[None, :])
+        bad[idx] = dead[idx]
     out.masked_fill_(bad.unsqueeze(-1), float("nan"))
     lse.masked_fill_(bad, float("nan"))
 

@@ -214,17 +214,20 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     otherwise)."""
     g, n = tiled.need_graph(), tiled.devices
     cuts = unique(np.concatenate([g.tb_start, np.asarray(starts, np.int64), [tiled.problem.tokens]]))
-    rows, _, qb = q_block_rows(tiled.problem.pieces.a, cuts[:-1], cuts[1:])
+    p = tiled.problem
+    rows, src, qb = q_block_rows(p.pieces.a, cuts[:-1], cuts[1:])
     dev = segment_home(cuts[:-1], np.asarray(starts, np.int64), np.asarray(devices, np.int64))
-    pairs = np.bincount(dev[qb], weights=piece_counts(rows).astype(float), minlength=n)
+    seen = p.piece_heads()  # per-head masks: the heads that see each piece (else every head, applied below)
+    counts = piece_counts(rows).astype(float) * (1.0 if seen is None else seen[src] / p.heads)
+    pairs = np.bincount(dev[qb], weights=counts, minlength=n)
     per_row = row_tiles(rows, cuts[:-1])
     order = np.lexsort((per_row, qb))  # by q block, its largest count last
     last = np.flatnonzero(np.diff(np.append(qb[order], -1)))  # each q block's largest count
-    blocks = np.bincount(dev[qb[order][last]], weights=per_row[order][last], minlength=n) * g.n_hg
+    per_class_hg = g.n_hg if p.head_class is None else 1  # per-head masks: a class has at least one head group
+    blocks = np.bincount(dev[qb[order][last]], weights=per_row[order][last], minlength=n) * per_class_hg
     if max_blocks is not None and blocks.sum() > max_blocks:
         raise PlanError(f"the placement would make at least {int(blocks.sum()):,} compute blocks, over the limit of "
                         f"{max_blocks:,} (counted from its segments, before placing)")
-    p = tiled.problem
     rate = DTYPE_EFFICIENCY.get(p.dtype, 1.0)
     fwd = (prof.launch_s * launches(blocks, prof) + 4.0 * p.head_dim * p.heads * pairs / prof.flops) / rate
     return float(fwd.max()) * (1.0 + prof.bwd_factor) if n else 0.0
@@ -240,12 +243,13 @@ def _split(passes: list) -> tuple[list, list]:
 
 def problem_ir(kwargs: dict) -> PlanIR:
     """The unplaced IR of ``compile``'s checked arguments (the mask lowered once)."""
-    from ..frontend import lower_batch
+    from ..frontend.lower import lower_heads
     from ..ir.problem import Problem
     lens, segments, prog, q_lens = kwargs["seqlens"], kwargs["segments"], kwargs["mask"], kwargs.get("q_lens")
-    pieces = lower_batch(prog, lens.tolist(), segments, q_lens)
+    pieces, ptr, classes = lower_heads(prog, lens.tolist(), segments, q_lens, kwargs["heads"])
     problem = Problem(seqlens=lens, heads=kwargs["heads"], kv_heads=kwargs["kv_heads"], head_dim=kwargs["head_dim"],
-                      pieces=pieces, mask=prog.source, segments=segments, dtype=kwargs["dtype"], q_lens=q_lens)
+                      pieces=pieces, mask=prog.source, segments=segments, dtype=kwargs["dtype"], q_lens=q_lens,
+                      head_class=classes, class_ptr=ptr)
     return PlanIR(problem, kwargs["devices"], kwargs["nodes"], kwargs["memory_cap"])
 
 
