@@ -199,6 +199,8 @@ def _add_inspect(sub) -> None:
     _batch_args(m)
     m.add_argument("--width", type=_int_in(1, limits.MAX_MASK_WIDTH), default=64,
                    help=f"columns, 1..{limits.MAX_MASK_WIDTH} (at most one a token)")
+    m.add_argument("--head", type=_int_in(0, limits.MAX_HEADS - 1), default=None,
+                   help="the query head h of a per-head mask (required when the mask uses h)")
 
     vz = sub.add_parser("viz", help="visual report of a plan: one self-contained HTML file and/or PNG pictures")
     vz.add_argument("plan")
@@ -381,7 +383,8 @@ def _cmd_mask(args) -> int:
     seqlens = batch["seqlens"] if q_lens is None else [a + b for a, b in zip(q_lens, batch["seqlens_k"])]
     if sum(seqlens) > 4096:
         raise PlanError(f"plan mask draws small batches (at most 4096 tokens); this one has {sum(seqlens):,}")
-    print(render(load_mask(args.mask), seqlens, batch.get("segments"), width=args.width, q_lens=q_lens))
+    print(render(load_mask(args.mask), seqlens, batch.get("segments"), width=args.width, q_lens=q_lens,
+                 head=args.head))
     return 0
 
 

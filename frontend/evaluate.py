@@ -156,8 +156,9 @@ class Evaluator:
             if self.static:
                 return UNKNOWN
             if self.head is None:
-                raise self.err("this mask uses the query head `h`: lower it per head (compile with the heads, "
-                               "or MaskProgram.lower(..., head=H))", node.line, node.col)
+                raise self.err("this mask uses the query head `h`: give a head (plan mask --head H, "
+                               "MaskProgram.lower(..., head=H)); attnplan.compile lowers every head", node.line,
+                               node.col)
             return self.head
         if n in env:
             return env[n]

@@ -61,7 +61,7 @@ def density(pieces: Pieces, size: int, width: int = 64):
     return counts, side[:, None] * side[None, :], cell
 
 
-def render(mask, seqlens, segments=None, width: int = 64, q_lens=None) -> str:
+def render(mask, seqlens, segments=None, width: int = 64, q_lens=None, head: int | None = None) -> str:
     """ASCII picture of the whole packed mask, one character per cell of
     ``cell x cell`` tokens: '#' all pairs allowed, '+' over half, '.' some, ' ' none.
     ``q_lens``: cross-attention samples, drawn on the packed axis (each
@@ -71,15 +71,16 @@ def render(mask, seqlens, segments=None, width: int = 64, q_lens=None) -> str:
     lens, segments = batch_args(seqlens, segments)
     if not len(lens):
         raise BatchError("a picture needs at least one sample")
-    pieces = lower_batch(mask, lens, segments, q_lens)
+    pieces = lower_batch(mask, lens, segments, q_lens, head)
     total = int(lens.sum())
     counts, area, cell = density(pieces, total, int(width))
     chars = np.where(counts == area, "#", np.where(2 * counts > area, "+", np.where(counts > 0, ".", " ")))
     pairs = int(counts.sum())
-    head = (f"mask {mask.label}: {len(lens)} sample{'s' * (len(lens) != 1)}, {total} tokens, "
-            f"{pairs} allowed pairs ({100 * pairs / total ** 2:.3g}% of the square)")
+    title = (f"mask {mask.label}" + (f" (head {head})" if head is not None else "") + f": {len(lens)} "
+             f"sample{'s' * (len(lens) != 1)}, {total} tokens, "
+             f"{pairs} allowed pairs ({100 * pairs / total ** 2:.3g}% of the square)")
     legend = (f"1 char = {cell}x{cell} tokens; " if cell > 1 else "1 char = 1 token pair; ") + \
         "'#' all allowed, '+' over half, '.' some, ' ' none"
     border = "+" + "-" * chars.shape[1] + "+"
     rows = ["|" + "".join(r) + "|" for r in chars]
-    return "\n".join([head, legend, border, *rows, border])
+    return "\n".join([title, legend, border, *rows, border])

@@ -224,6 +224,8 @@ def make_problem(seqlens, model="llama3-8b", mesh: Mesh | None = None, profile="
     mdl: Model = load_model(model)
     prof = get_profile(profile)
     prog = mask if isinstance(mask, MaskProgram) else load_mask(mask)
+    if prog.uses_heads:
+        raise StepError("the step level takes masks without the query head `h` (per-head masks: plan compile)")
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
             or not 1 <= block_size <= MAX_TOKENS:
         raise StepError(f"block_size must be an integer in 1..{MAX_TOKENS:,}, got {block_size!r:.40}")

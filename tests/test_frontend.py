@@ -377,8 +377,9 @@ def test_example_masks_parse_and_lower(path):
     assert prog.uses_segments == ("mixed" in path or "qa" in path)
     head = Path(path).read_text().lstrip()
     assert head.startswith("#"), "every example starts with a comment saying what it means"
-    pieces = lower_batch(prog, batch)
-    per_sample = [prog.lower(n, None if batch.segments is None else batch.segments[i])
+    h = 1 if prog.uses_heads else None  # a per-head mask: one head's mask (tests/test_heads.py has all)
+    pieces = lower_batch(prog, batch, head=h)
+    per_sample = [prog.lower(n, None if batch.segments is None else batch.segments[i], head=h)
                   for i, n in enumerate(batch.seqlens)]
     assert pieces.pair_count() == sum(p.pair_count() for p in per_sample) > 0
 
@@ -470,7 +471,7 @@ def test_lower_batch_caches_and_is_fast(monkeypatch):
     prog = parse_mask("causal")
     calls = []
     real = MaskProgram._lower
-    monkeypatch.setattr(MaskProgram, "_lower", lambda self, n, s, budget: calls.append(n) or real(self, n, s, budget))
+    monkeypatch.setattr(MaskProgram, "_lower", lambda self, n, s, budget, head=None: calls.append(n) or real(self, n, s, budget, head))
     t = time.perf_counter()
     pieces = lower_batch(prog, lens.tolist())
     elapsed = time.perf_counter() - t

@@ -209,3 +209,16 @@ def test_plan_run_on_gloo_processes_with_per_head_masks(tmp_path):
     r = subprocess.run([sys.executable, "-m", "attnplan.cli", "run", str(out), "--check", "--procs", "2"],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_cli_draws_one_head_and_the_step_level_refuses_h(capsys):
+    from attnplan import cli
+    m = str(MASKS / "svg_heads.mask")
+    assert cli.main(["mask", m, "--seqlens", "128", "--head", "5", "--width", "8"]) == 0
+    assert "(head 5): 1 sample, 128 tokens, 256 allowed pairs" in capsys.readouterr().out  # 128 x 2 frames
+    for argv, msg in ((["mask", m, "--seqlens", "128"], "give a head (plan mask --head H"),
+                      (["step", "compare", "--seqlens", "4096,1000", "--mesh", "dp=2,cp=2", "--mask", m],
+                       "without the query head")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("plan: error:") and msg in err

@@ -182,9 +182,9 @@ def test_supported_forms_and_their_piece_counts():
     ("2 * (q % 4) < k", 13, "not of the form"),
     ("(q % 4) * (k % 4) < 2", 9, "multiplies two position terms"),
     ("causal & sliding_window(q % 4)", 25, "must be a number, got the position term"),
-    ("h < 3", 1, "reserved for the query head"),
     ("let h = 1\ncausal", 5, "reserved"),
-    ("let Lq = 3\ncausal", 5, "reserved (q, k: positions, L, Lq, Lk: sample lengths)"),
+    ("h(2)", 1, "`h` is the query head, not a mask or function"),
+    ("let Lq = 3\ncausal", 5, "reserved (q, k: positions, L, Lq, Lk: sample lengths, h: query head)"),
 ])
 def test_unsupported_forms_are_clear_errors(text, col, msg):
     e = pytest.raises(MaskError, parse_mask, text).value
