@@ -170,6 +170,10 @@ def test_keep_forces_more_candidates_and_changes_nothing_else():
         assert every.meta["candidates"][name] == pred
 
 
+PER_HEAD = "(h < 2 & full) | (h >= 2 & causal)"  # a class per kv head (2 query heads each)
+PER_HEAD_GQA = "(h % 2 == 0 & causal) | (h % 2 == 1 & sliding_window(100))"  # differs inside a kv head
+
+
 def placed(name, seqlens, devices, nodes=1, mask="causal", block=256):
     plan_kw = dict(seqlens=seqlens, mask=mask, devices=devices, nodes=nodes, block_size=block, strategy=name,
                    **SHAPE)
@@ -181,7 +185,7 @@ def placed(name, seqlens, devices, nodes=1, mask="causal", block=256):
 
 @settings(max_examples=12)
 @given(lens=st.lists(st.integers(1, 2000), min_size=1, max_size=8), devices=st.sampled_from([1, 2, 4]),
-       mask=st.sampled_from(["causal", "full", "sliding_window(100)"]))
+       mask=st.sampled_from(["causal", "full", "sliding_window(100)", PER_HEAD]))
 def test_estimate_is_a_bound_over_exactly_the_plans_transfers(lens, devices, mask):
     """The estimate counts the bytes the compiled plan moves, and each phase's
     estimate is at most its simulated makespan: every device waits for its
@@ -294,7 +298,7 @@ def test_the_segment_strategies_expose_their_segments():
 
 @settings(max_examples=12)
 @given(lens=st.lists(st.integers(1, 2000), min_size=1, max_size=12), devices=st.sampled_from([1, 2, 4, 8]),
-       mask=st.sampled_from(["causal", "full", "sliding_window(100)", "causal & k > 3"]),
+       mask=st.sampled_from(["causal", "full", "sliding_window(100)", "causal & k > 3", PER_HEAD, PER_HEAD_GQA]),
        dtype=st.sampled_from(["bfloat16", "float32"]))
 def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype):
     """The preview from the segments alone never exceeds the estimate of the
