@@ -347,7 +347,9 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     (``"causal"``, ``"sliding_window(256) | k < 16"``), a path to a ``.mask``
     file, or a parsed ``MaskProgram``. ``kv_heads`` defaults to ``heads``.
     ``pipeline`` overrides ``strategy``/``block_size`` with a pass pipeline
-    string. ``strategy="auto"`` places every strategy, then compiles and
+    string; ``strategy="NAME:VARIANT"`` is the strategy's default pipeline
+    under another comm step (``per_doc:direct``, ``zigzag:allgather``; the
+    variants of ``attnplan.passes.comm.COMM_VARIANTS``). ``strategy="auto"`` places every strategy, then compiles and
     simulates them in order of a lower bound of their time until the next
     bound exceeds the best predicted time, and keeps the plan with the lowest
     predicted time (``plan.meta["candidates"]`` has each simulated one's,
@@ -371,12 +373,15 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
                                   instruments=instruments, max_compute_blocks=max_blocks))
     from .frontend.lower import lower_heads
     from .passes import parse_pipeline, run_pipeline, strategies
+    from .passes.comm import variant_options
 
     named = pipeline is None
     if named:
-        if strategy not in strategies():
-            raise PlanError(f"unknown strategy {strategy!r}; known: {', '.join(strategies())}")
-        pipeline = default_pipeline(strategy, opts["block_size"])
+        name, _, variant = strategy.partition(":")  # NAME:VARIANT: the default pipeline under another comm step
+        if name not in strategies():
+            raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategies())}")
+        comm = variant_options(variant, strategy) if ":" in strategy else None
+        pipeline = default_pipeline(name, opts["block_size"], comm)
     passes = parse_pipeline(pipeline)
     pieces, ptr, classes = lower_heads(prog, lens.tolist(), segments, q_lens, opts["heads"])
     problem = Problem(seqlens=lens, heads=opts["heads"], kv_heads=opts["kv_heads"], head_dim=opts["head_dim"],

@@ -149,6 +149,9 @@ def _strategy_list(text: str) -> list[str]:
         raise PlanError(f"no strategy in {text!r}; known: {', '.join(strategies())}")
     for n in names:
         parse_entry(n)
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise PlanError(f"--strategies lists {dup!r} twice")
     return names
 
 
@@ -174,7 +177,8 @@ def _add_compile(sub) -> None:
     c.add_argument("--memory-cap", type=_int_in(1, limits.MAX_MEMORY_CAP), default=None,
                    help="bytes of buffers per device and phase")
     g = c.add_mutually_exclusive_group()
-    g.add_argument("--strategy", default="zigzag")
+    g.add_argument("--strategy", default="zigzag", help="a strategy, auto, or NAME:VARIANT (the strategy under "
+                   "another comm step: p2p, relay, direct, ring, allgather, allgather_ring, a2a)")
     g.add_argument("--pipeline", help="pass pipeline, e.g. 'tile{block=1024},zigzag,comm,emit'")
     c.add_argument("--no-verify", action="store_true", help="skip the verifier between passes")
     c.add_argument("-v", "--verbose", action="store_true", help="print each pass and its time")

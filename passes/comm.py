@@ -60,6 +60,23 @@ from .base import Pass, register
 
 MODES = ("p2p", "ring", "allgather", "allgather_ring", "a2a")
 
+COMM_VARIANTS = {  # name:variant -> the options of the comm step
+    "p2p": "mode=p2p,relay=node",         # the default of p2p strategies: straight to the devices, relays across nodes
+    "relay": "mode=p2p,relay=node",       # the same, relays named (DCP's two-phase inter-node transfer)
+    "direct": "mode=p2p,relay=none",      # p2p without relays: every remote device gets its own crossing
+    "ring": "mode=ring",                  # KV one hop a stage round the ring (ring-flash-attn, TransformerEngine)
+    "allgather": "mode=allgather",        # every KV block to every device first (Llama 3, TE's all_gather CP)
+    "allgather_ring": "mode=allgather_ring",  # the same, as NCCL's ring all-gather (N-1 hops, then compute)
+    "a2a": "mode=a2a",                    # p2p's blocks as two all-to-alls a phase (DeepSpeed-Ulysses, yunchang)
+}
+
+
+def variant_options(variant: str, entry: str) -> str:
+    """The comm step options of ``NAME:VARIANT``'s variant; PlanError naming it if unknown."""
+    if variant not in COMM_VARIANTS:
+        raise PlanError(f"unknown communication variant {variant!r} in {entry!r}; known: {', '.join(COMM_VARIANTS)}")
+    return COMM_VARIANTS[variant]
+
 
 def default_relay(mode: str) -> str:
     """The relay of a default pipeline (:func:`default_comm`): ``node`` for

@@ -56,16 +56,27 @@ class CollectiveTransport:
         self.done = 0  # exchanges run so far
         self.calls = 0  # all_to_all_single calls made (tests read it)
 
+    def _mine(self, tag: int) -> int:
+        """The exchange of message ``tag``, which must be one of this device's in this phase."""
+        x = self.exchange.get(tag)
+        if x is None or tag not in self.expected[x]:
+            raise PlanError(f"device {self.device}: message {tag} is not one of this device's messages of this phase "
+                            f"(a program not shaped for comm{{mode=a2a}})")
+        return x
+
     def post_send(self, tag: int, peer: int, tensors, flat=None) -> None:
+        self._mine(tag)
         self.posted[tag] = (peer, flat if flat is not None else pack(tensors), True)
 
     def post_recv(self, tag: int, peer: int, tensors, flat=None) -> None:
         if flat is None:  # pragma: no cover - the runner always receives into a flat buffer
             raise PlanError("CollectiveTransport receives into packed buffers only")
+        self._mine(tag)
         self.posted[tag] = (peer, flat, False)
 
     def wait(self, tag: int) -> None:
-        while self.done <= self.exchange[tag]:
+        x = self._mine(tag)
+        while self.done <= x:
             self._run(self.done)
 
     def drain(self) -> None:

@@ -148,7 +148,8 @@ def test_device_count_over_nodes_is_checked_before_compare(capsys):
 
 @pytest.mark.parametrize("entry, needle", [("zigzag:a2b", "unknown communication variant 'a2b'"),
                                            ("zigzag:", "unknown communication variant ''"),
-                                           ("zigzg:ring", "unknown strategy 'zigzg'"), (",", "no strategy in")])
+                                           ("zigzg:ring", "unknown strategy 'zigzg'"), (",", "no strategy in"),
+                                           ("minheap,zigzag,minheap", "lists 'minheap' twice")])
 def test_compare_variants_are_checked(capsys, entry, needle):
     code, out, err, _ = run(capsys, "compare", "--seqlens", "100", "--devices", "2", "--strategies", entry)
     assert_one_line_error(code, err, needle)
@@ -508,3 +509,14 @@ def test_plan_paths_that_are_not_regular_files(small_plan, tmp_path):
         plan.save(tmp_path)
     with pytest.raises(attnplan.PlanError, match="device must be an integer"):
         plan.to_text(device="0")
+
+
+def test_bench_summary_columns_stay_aligned_with_variant_names():
+    from attnplan.tools.bench import format_summary
+    row = {"mask": "causal", "devices": 8, "batches": 2, "errors": 0, "comm_vs_zigzag_median": 0.5,
+           "imbalance_median": 1.0, "imbalance_worst": 1.1, "within_1.05": 0.5, "pred_over_lb_median": 1.2,
+           "plan_s_median": 0.1, "plan_s_max": 0.2}
+    lines = format_summary([dict(row, strategy="zigzag"), dict(row, strategy="hypergraph:allgather_ring")])
+    table = lines.splitlines()[:3]
+    assert len({len(line) for line in table}) == 1, table  # header and rows end in the same column
+    assert table[1].index(" 2 ") == table[2].index(" 2 ")

@@ -208,3 +208,37 @@ def test_a2a_moves_what_p2p_moves_in_one_blocking_exchange(strategy):
 def test_relay_needs_p2p():
     with pytest.raises(attnplan.PlanError, match="relay=node needs mode=p2p"):
         _compile([100], 4, 2, pipeline="tile{block=16},zigzag,comm{mode=ring,relay=node},emit")
+
+
+def test_the_collective_transport_refuses_a_message_not_of_its_phase():
+    """A program not shaped for a2a (a message of the other phase, or of
+    other devices, waited for): one PlanError, not a KeyError."""
+    from attnplan.errors import PlanError
+    from attnplan.ir.program import BWD, FWD, M_DST, M_ID, M_PHASE, M_SRC
+    from attnplan.runtime.collective import CollectiveTransport
+    plan = attnplan.compile(seqlens=[60, 20], devices=4, heads=4, kv_heads=4, head_dim=8, block_size=16,
+                            pipeline="tile{block=16},ulysses,comm{mode=a2a},emit")
+    prog = plan.ir.program
+    m = prog.messages
+    t = CollectiveTransport(prog, FWD, 0, None, 1.0)
+    other_phase = int(m[m[:, M_PHASE] == BWD][0, M_ID])
+    not_mine = m[(m[:, M_PHASE] == FWD) & (m[:, M_SRC] != 0) & (m[:, M_DST] != 0)]
+    for tag in [other_phase, 10 ** 6] + ([int(not_mine[0, M_ID])] if len(not_mine) else []):
+        with pytest.raises(PlanError, match="not one of this device's messages"):
+            t.wait(tag)
+
+
+def test_compile_takes_a_strategy_under_another_comm_step():
+    """``strategy="NAME:VARIANT"``: the default pipeline with the variant's
+    comm step, the entry kept as the plan's strategy; bad variants are one error."""
+    from attnplan.api import default_pipeline
+    from attnplan.errors import PlanError
+    kw = dict(seqlens=[300, 120, 40], devices=4, nodes=2, block_size=32, **SHAPE)
+    a = attnplan.compile(strategy="per_doc:direct", **kw)
+    b = attnplan.compile(pipeline=default_pipeline("per_doc", 32, "mode=p2p,relay=none"), **kw)
+    assert a.meta["strategy"] == "per_doc:direct" and a.meta["pipeline"] == b.meta["pipeline"]
+    assert a.ir.program == b.ir.program and a.ir.schedule.stages == 1
+    assert attnplan.compile(strategy="per_doc", **kw).ir.schedule.stages == 2  # the default relays
+    for bad, msg in (("per_doc:nope", "unknown communication variant 'nope'"), ("nope:ring", "unknown strategy")):
+        with pytest.raises(PlanError, match=msg):
+            attnplan.compile(strategy=bad, **kw)

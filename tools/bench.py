@@ -153,14 +153,15 @@ def format_best(best: list[dict]) -> str:
 
 
 def format_summary(summary: list[dict]) -> str:
-    lines = [f"{'mask':<24} {'dev':>4} {'strategy':<11} {'n':>3} {'imb med':>7} {'imb max':>7} {'<=1.05':>6} "
+    w = max([11] + [len(s["strategy"]) for s in summary])  # NAME:VARIANT entries widen the column
+    lines = [f"{'mask':<24} {'dev':>4} {'strategy':<{w}} {'n':>3} {'imb med':>7} {'imb max':>7} {'<=1.05':>6} "
              f"{'comm/zz':>7} {'pred/LB':>7} {'plan s':>7} {'plan max':>8}"]
     for s in summary:
         if not s["batches"]:
-            lines.append(f"{s['mask']:<24} {s['devices']:>4} {s['strategy']:<11}   0 (errors: {s['errors']})")
+            lines.append(f"{s['mask']:<24} {s['devices']:>4} {s['strategy']:<{w}}   0 (errors: {s['errors']})")
             continue
         rel = f"{s['comm_vs_zigzag_median']:.2f}" if s["comm_vs_zigzag_median"] is not None else "-"
-        lines.append(f"{s['mask']:<24} {s['devices']:>4} {s['strategy']:<11} {s['batches']:>3} "
+        lines.append(f"{s['mask']:<24} {s['devices']:>4} {s['strategy']:<{w}} {s['batches']:>3} "
                      f"{s['imbalance_median']:>7.3f} {s['imbalance_worst']:>7.3f} {s['within_1.05']:>6.0%} "
                      f"{rel:>7} {s['pred_over_lb_median']:>7.2f} {s['plan_s_median']:>7.3f} {s['plan_s_max']:>8.3f}")
     lines.append("")

@@ -15,17 +15,9 @@ from __future__ import annotations
 from ..api import compile as compile_plan
 from ..api import default_pipeline
 from ..errors import AttnplanError, PlanError
+from ..passes.comm import COMM_VARIANTS, variant_options
 
-COMM_VARIANTS = {  # name:variant -> the options of the comm step
-    "p2p": "mode=p2p,relay=node",         # the default of p2p strategies: straight to the devices, relays across nodes
-    "relay": "mode=p2p,relay=node",       # the same, relays named (DCP's two-phase inter-node transfer)
-    "direct": "mode=p2p,relay=none",      # p2p without relays: every remote device gets its own crossing
-    "ring": "mode=ring",                  # KV one hop a stage round the ring (ring-flash-attn, TransformerEngine)
-    "allgather": "mode=allgather",        # every KV block to every device first (Llama 3, TE's all_gather CP)
-    "allgather_ring": "mode=allgather_ring",  # the same, as NCCL's ring all-gather (N-1 hops, then compute)
-    "a2a": "mode=a2a",                    # p2p's blocks as two all-to-alls a phase (DeepSpeed-Ulysses, yunchang)
-}
-
+__all__ = ["COMM_VARIANTS", "compare", "format_rows", "parse_entry"]
 
 def parse_entry(entry: str) -> tuple[str, str | None]:
     """``name`` or ``name:variant`` as (strategy, comm options or None);
@@ -34,9 +26,7 @@ def parse_entry(entry: str) -> tuple[str, str | None]:
     name, _, variant = entry.partition(":")
     if name not in strategies():
         raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategies())}")
-    if ":" in entry and variant not in COMM_VARIANTS:
-        raise PlanError(f"unknown communication variant {variant!r} in {entry!r}; known: {', '.join(COMM_VARIANTS)}")
-    return name, (COMM_VARIANTS[variant] if variant else None)
+    return name, (variant_options(variant, entry) if ":" in entry else None)
 
 COLUMNS = ("strategy", "compute_imbalance", "token_imbalance", "comm_bytes_total", "comm_bytes_max", "predicted_s",
            "predicted_over_lower_bound", "plan_s", "last_stage_share", "kernel_work_ratio")
