@@ -280,3 +280,13 @@ def test_scheduling_passes_keep_per_head_and_cross_plans_exact(pipeline):
         plan = attnplan.compile(devices=4, nodes=2, heads=4, kv_heads=2, head_dim=8, pipeline=pipeline, **kw)
         assert plan.ir.problem.n_classes == 2
         assert check_plan(plan)["ok"], (pipeline, kw)
+
+
+def test_auto_plans_per_head_masks_and_cross_samples_exactly():
+    from attnplan.runtime.check import check_plan
+    for kw in (dict(seqlens=[300, 100, 50], mask=str(MASKS / "local_global_heads.mask")),
+               dict(seqlens_q=[300, 100], seqlens_k=[64, 128], mask=CROSS_HEAD)):
+        plan = attnplan.compile(devices=4, nodes=2, heads=4, kv_heads=2, head_dim=8, block_size=32, strategy="auto",
+                                **kw)
+        assert plan.meta["strategy"].startswith("auto:") and plan.meta["candidates"]
+        assert check_plan(plan)["ok"], kw
