@@ -19,7 +19,9 @@
   class (``tile_class``, from its pieces' mask pieces), every head group's
   query heads to one class (``hg_class``: head groups are cut where the class
   changes, and kv heads copied ``kv_rep`` times where one kv head's query
-  heads differ), and the compute blocks are the (tile, head group) pairs of
+  heads differ) — head positions count the query heads in
+  ``problem.head_order()`` (each kv head's query heads sorted by class;
+  the runtime permutes q's heads in and the output's back), and the compute blocks are the (tile, head group) pairs of
   the same class — tiles of a class then head groups, in order.
 """
 
@@ -120,7 +122,7 @@ class BlockGraph:
     @property
     def hg_class(self) -> np.ndarray:
         """The mask class of each head group (that of its first query head)."""
-        return self.problem.head_classes()[self.hg_start * self.group]
+        return self.problem.ir_head_classes()[self.hg_start * self.group]
 
     @property
     def cb_q(self) -> np.ndarray:
@@ -181,7 +183,7 @@ def class_kv_rep(problem: Problem, kv_rep: int) -> int:
     with class-pure runs of ``heads / (kv_heads · r)`` heads, lcm with ``kv_rep``."""
     if problem.head_class is None:
         return kv_rep
-    hc, group = problem.head_class, problem.heads // problem.kv_heads
+    hc, group = problem.ir_head_classes(), problem.heads // problem.kv_heads
     need = next(r for r in range(1, group + 1)
                 if group % r == 0 and (hc.reshape(-1, group // r) == hc.reshape(-1, group // r)[:, :1]).all())
     return kv_rep * need // math.gcd(kv_rep, need)
@@ -193,7 +195,7 @@ def class_head_groups(problem: Problem, kv_rep: int, n: int) -> tuple[np.ndarray
     hs, he = head_groups(kv, n)
     if problem.head_class is None:
         return hs, he
-    vclass = problem.head_class[np.arange(kv) * (problem.heads // kv)]
+    vclass = problem.ir_head_classes()[np.arange(kv) * (problem.heads // kv)]
     cuts = unique(np.concatenate([hs, np.flatnonzero(vclass[1:] != vclass[:-1]) + 1, [kv]]))
     return cuts[:-1].astype(np.int64), cuts[1:].astype(np.int64)
 
@@ -274,7 +276,7 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
         hs = np.asarray(hg_starts, np.int64)
         he = np.append(hs[1:], problem.kv_heads * kv_rep).astype(np.int64)
     n = len(starts)
-    hg_class = problem.head_classes()[hs * (problem.heads // (problem.kv_heads * kv_rep))]
+    hg_class = problem.ir_head_classes()[hs * (problem.heads // (problem.kv_heads * kv_rep))]
     cb_tile, cb_hg = _compute_blocks(tile_key // (n * n), hg_class)
     return BlockGraph(
         problem=problem, tb_start=starts.copy(), tb_end=ends.copy(), hg_start=hs, hg_end=he,

@@ -185,11 +185,31 @@ class Problem:
             return None
         return np.bincount(self.head_class, minlength=self.n_classes)[self.class_of_piece()].astype(np.int64)
 
-    def class_heads(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
-        """Per-head masks as ``[(query heads of class c, its pieces array), ...]``; None without them."""
+    def class_heads(self, ir_order: bool = False) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Per-head masks as ``[(query heads of class c, its pieces array), ...]``
+        (``ir_order``: head positions in :meth:`head_order`); None without them."""
         if self.head_class is None:
             return None
-        return [(np.flatnonzero(self.head_class == c), self.class_pieces(c).a) for c in range(self.n_classes)]
+        hc = self.ir_head_classes() if ir_order else self.head_class
+        return [(np.flatnonzero(hc == c), self.class_pieces(c).a) for c in range(self.n_classes)]
+
+    def head_order(self) -> np.ndarray | None:
+        """The query heads in the order the plan's head groups count them: the
+        query heads of each kv head sorted (stably) by mask class, so that a
+        kv head needs one copy per class it serves, not one per change of
+        class (alternating heads: 2 copies, not ``heads / kv_heads``). None
+        when that order is the identity (always without per-head masks)."""
+        if self.head_class is None:
+            return None
+        g = self.heads // self.kv_heads
+        order = (np.argsort(self.head_class.reshape(self.kv_heads, g), axis=1, kind="stable")
+                 + np.arange(self.kv_heads)[:, None] * g).reshape(-1).astype(np.int64)
+        return None if (order == np.arange(self.heads)).all() else order
+
+    def ir_head_classes(self) -> np.ndarray:
+        """The mask class of each query head in :meth:`head_order`."""
+        order = self.head_order()
+        return self.head_classes() if order is None else self.head_classes()[order]
 
     def head_classes(self) -> np.ndarray:
         """The mask class of every query head."""

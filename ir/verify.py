@@ -127,10 +127,11 @@ def _check_blocks(g: BlockGraph) -> None:
     if p.head_class is not None:  # per-head masks: a head group's query heads share one mask class
         group = p.heads // (p.kv_heads * rep)
         per_head = np.repeat(np.arange(g.n_hg), (g.hg_end - g.hg_start) * group)
-        bad = _first(p.head_class != g.hg_class[per_head])
+        ir_class = p.ir_head_classes()  # query heads in the plan's head order (Problem.head_order)
+        bad = _first(ir_class != g.hg_class[per_head])
         if bad is not None:
             _fail(2, f"head group {per_head[bad]} holds query heads of mask classes {g.hg_class[per_head[bad]]} and "
-                     f"{p.head_class[bad]} (head {bad})")
+                     f"{ir_class[bad]} (head position {bad})")
 
 
 def _check_tile_index(g: BlockGraph) -> None:

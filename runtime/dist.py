@@ -64,7 +64,7 @@ from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD, PHASES
 from . import layout
 from .collective import CollectiveTransport
-from .executor import check_inputs, embed, expand_kv, resolve_scale
+from .executor import check_inputs, embed, expand_kv, order_heads, resolve_scale, restore_heads
 from .kernels import settle_rows_without_mass
 from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, pack
 from .transport import TransportError
@@ -372,7 +372,8 @@ class DistAttention(torch.autograd.Function):
         lse = torch.full((T, Hq), NEG_INF, dtype=acc)
         call.run(FWD, {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out, "lse": lse}, q.dtype)
         p = call.ir.problem
-        settle_rows_without_mass(out, lse, layout.local_index(call.ir, call.device), p.pieces.a, p.class_heads())
+        settle_rows_without_mass(out, lse, layout.local_index(call.ir, call.device), p.pieces.a,
+                                 p.class_heads(ir_order=True))
         res = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, res, lse)
         ctx.call = call
@@ -437,8 +438,9 @@ def _packed_attention(q, k, v, plan_ir, group, *, softmax_scale, timeout, timing
     match = resolve_match(match)
     ir, info, rank, timeout = _prepare(plan_ir, q, k, v, group, timeout)
     gen = 0 if info is None else _next_generation(ir, info)
-    q, k, v = q.contiguous(), expand_kv(ir, k.contiguous()), expand_kv(ir, v.contiguous())
-    return DistAttention.apply(q, k, v, _Call(ir, info, rank, gen, scale, timeout, timings, match=match))
+    q, k, v = order_heads(ir, q.contiguous()), expand_kv(ir, k.contiguous()), expand_kv(ir, v.contiguous())
+    out = DistAttention.apply(q, k, v, _Call(ir, info, rank, gen, scale, timeout, timings, match=match))
+    return restore_heads(ir, out)
 
 
 def _cross_attention(q, k, v, plan_ir, group, **kw):

@@ -127,6 +127,20 @@ def expand_kv(plan_ir, t: torch.Tensor) -> torch.Tensor:
     return t if r == 1 else t.repeat_interleave(r, dim=1)
 
 
+def order_heads(plan_ir, q: torch.Tensor) -> torch.Tensor:
+    """``q`` (or any ``[T, Hq, ...]``) with its query heads in the plan's head
+    order (:meth:`Problem.head_order`: per-head masks group each kv head's
+    query heads by mask class); differentiable; ``q`` itself when unchanged."""
+    order = plan_ir.problem.head_order()
+    return q if order is None else q.index_select(1, torch.from_numpy(order).to(q.device))
+
+
+def restore_heads(plan_ir, out: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`order_heads`."""
+    order = plan_ir.problem.head_order()
+    return out if order is None else out.index_select(1, torch.from_numpy(np.argsort(order)).to(out.device))
+
+
 def resolve_scale(softmax_scale, head_dim: int) -> float:
     """The softmax scale: ``softmax_scale`` if given (a finite number > 0,
     else :class:`ShapeError`), else 1/sqrt(head_dim)."""
@@ -153,7 +167,7 @@ def run_forward(plan_ir, q, k, v, scale: float, timings: Timings | None = None):
     lse = torch.full((T, Hq), NEG_INF, dtype=acc)
     _run_all(plan_ir, FWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale, q.dtype, timings)
     p = plan_ir.problem
-    settle_rows_without_mass(out, lse, np.arange(T), p.pieces.a, p.class_heads())
+    settle_rows_without_mass(out, lse, np.arange(T), p.pieces.a, p.class_heads(ir_order=True))
     return out, lse
 
 
@@ -207,4 +221,5 @@ def _execute_packed(plan_ir, q, k, v, softmax_scale, timings):
     check_inputs(plan_ir, q, k, v)
     scale = resolve_scale(softmax_scale, plan_ir.problem.head_dim)
     k, v = expand_kv(plan_ir, k.contiguous()), expand_kv(plan_ir, v.contiguous())
-    return PlanAttention.apply(q.contiguous(), k, v, plan_ir, scale, timings)
+    q = order_heads(plan_ir, q.contiguous())
+    return restore_heads(plan_ir, PlanAttention.apply(q, k, v, plan_ir, scale, timings))

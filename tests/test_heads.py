@@ -204,8 +204,9 @@ def test_plan_run_on_gloo_processes_with_per_head_masks(tmp_path):
     from attnplan import cli
     out = tmp_path / "h.plan"
     assert cli.main(["compile", "--seqlens", "300,130", "--mask", str(MASKS / "local_global_heads.mask"),
-                     "--devices", "2", "--heads", "4", "--kv-heads", "2", "--strategy", "minheap",
+                     "--devices", "2", "--heads", "8", "--kv-heads", "2", "--head-dim", "8", "--strategy", "minheap",
                      "--block-size", "64", "-o", str(out)]) == 0
+    assert attnplan.load(out).problem.head_order() is not None  # heads regrouped by class inside each kv head
     r = subprocess.run([sys.executable, "-m", "attnplan.cli", "run", str(out), "--check", "--procs", "2"],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
@@ -290,3 +291,19 @@ def test_auto_plans_per_head_masks_and_cross_samples_exactly():
                                 **kw)
         assert plan.meta["strategy"].startswith("auto:") and plan.meta["candidates"]
         assert check_plan(plan)["ok"], kw
+
+
+def test_query_heads_of_a_kv_head_are_regrouped_by_class():
+    """Alternating classes inside a kv head (0, 1, 0, 1): the plan orders each
+    kv head's query heads by class (0, 0, 1, 1), so 2 copies of the kv head
+    serve them, not 4; results stay in the caller's head order."""
+    plan = attnplan.compile(seqlens=[400, 77], mask=str(MASKS / "local_global_heads.mask"), devices=2, heads=8,
+                            kv_heads=2, head_dim=8, block_size=64, strategy="hypergraph", dtype="float32")
+    p, g = plan.problem, plan.ir.graph
+    assert p.head_order().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert g.kv_rep == 2 and g.hg_class.tolist() == [0, 1, 0, 1]
+    same = attnplan.compile(seqlens=[400, 77], mask="(h < 4 & sliding_window(256)) | (h >= 4 & causal)", devices=2,
+                            heads=8, kv_heads=2, head_dim=8, block_size=64)
+    assert same.problem.head_order() is None and same.ir.graph.kv_rep == 1  # classes on kv heads: nothing moves
+    from attnplan.runtime.check import check_plan
+    assert check_plan(plan)["ok"]
