@@ -212,29 +212,28 @@ def _to_batch(where: str, obj) -> Batch:
         return _to_cross_batch(where, obj)
     if "seqlens" not in obj:
         raise BatchError(f"{where}missing \"seqlens\" (a list of positive sample lengths)")
-    lens = obj["seqlens"]
-    if not isinstance(lens, list) or not lens:
-        raise BatchError(f"{where}\"seqlens\" must be a non-empty list of positive integers")
-    lens = _check_lengths(lens, where, "seqlens")
-    name = obj.get("name")
-    if name is not None and not isinstance(name, str):
-        raise BatchError(f"{where}\"name\" must be a string, got {_show(name)}")
+    lens, name = _lengths_and_name(where, obj, "seqlens")
     segments = obj.get("segments")
     if segments is not None:
         segments = check_segments(segments, lens, where)
     return Batch(lens, segments, name)
 
 
-def _to_cross_batch(where: str, obj: dict) -> Batch:
-    if "seqlens" in obj or "seqlens_q" not in obj or "seqlens_k" not in obj:
-        raise BatchError(f"{where}a cross-attention batch has \"seqlens_q\" and \"seqlens_k\" and no \"seqlens\"")
-    q = obj["seqlens_q"]
-    if not isinstance(q, list) or not q:
-        raise BatchError(f"{where}\"seqlens_q\" must be a non-empty list of positive integers")
-    q = _check_lengths(q, where, "seqlens_q")
+def _lengths_and_name(where: str, obj: dict, key: str) -> tuple[tuple[int, ...], str | None]:
+    """``obj[key]`` checked as a non-empty list of lengths, and the batch's name (None or a string)."""
+    lens = obj[key]
+    if not isinstance(lens, list) or not lens:
+        raise BatchError(f"{where}\"{key}\" must be a non-empty list of positive integers")
     name = obj.get("name")
     if name is not None and not isinstance(name, str):
         raise BatchError(f"{where}\"name\" must be a string, got {_show(name)}")
+    return _check_lengths(lens, where, key), name
+
+
+def _to_cross_batch(where: str, obj: dict) -> Batch:
+    if "seqlens" in obj or "seqlens_q" not in obj or "seqlens_k" not in obj:
+        raise BatchError(f"{where}a cross-attention batch has \"seqlens_q\" and \"seqlens_k\" and no \"seqlens\"")
+    q, name = _lengths_and_name(where, obj, "seqlens_q")
     return Batch(q, None, name, _cross_lengths(q, obj["seqlens_k"], obj.get("segments"), where))
 
 
