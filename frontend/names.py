@@ -12,7 +12,7 @@ from typing import Callable
 from attnplan.errors import MaskError
 
 from .stdlib import BUILTINS
-from .tree import FUTURE, RESERVED, Call, Chain, Fold, InSeg, Let, Name, Unary
+from .tree import RESERVED, Call, Chain, Fold, InSeg, Let, Name, Unary
 
 __all__ = ["Scope", "mentions", "resolve"]
 
@@ -72,9 +72,6 @@ def _check_name(node, params: frozenset, scope: Scope, err: Err) -> bool:
     """Check one name or call (not its arguments); return whether it uses segments."""
     n = node.name
     is_call = isinstance(node, Call)
-    if n in FUTURE and n not in params:
-        raise err(f"`{n}` is reserved for {FUTURE[n]}, which the mask language does not support yet",
-                  node.line, node.col)
     if n in params or n in RESERVED:
         if is_call:
             what = ("a parameter" if n in params else "a position" if n in ("q", "k")

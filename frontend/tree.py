@@ -22,11 +22,9 @@ from attnplan.ir.limits import MAX_MASK_INT
 from .stdlib import BUILTINS
 
 __all__ = ["Node", "Num", "Name", "Call", "Fold", "Unary", "Chain", "InSeg", "Let", "MaskStmt", "RESERVED",
-           "FUTURE", "start_of", "to_ast"]
+           "start_of", "to_ast"]
 
 RESERVED = ("q", "k", "L", "Lq", "Lk", "h")
-# names kept for what the language will have
-FUTURE: dict[str, str] = {}
 _MAX_DIGITS = len(str(MAX_MASK_INT))
 
 Err = Callable[..., MaskError]  # (message, line, col) -> MaskError
@@ -164,8 +162,6 @@ def check_definable(name: str, line: int, col: int, err: Err, what: str) -> None
     if name in RESERVED:
         raise err(f"`{name}` is reserved (q, k: positions, L, Lq, Lk: sample lengths, h: query head) and cannot be "
                   f"{what}", line, col)
-    if name in FUTURE:
-        raise err(f"`{name}` is reserved for {FUTURE[name]} (not supported yet) and cannot be {what}", line, col)
     if name == "mask":
         raise err("`mask` is reserved: write the mask expression as `mask = EXPR`", line, col)
     if name in BUILTINS:
