@@ -102,12 +102,21 @@ def _rows(kind, r, stage) -> np.ndarray:
     return np.column_stack([np.full(len(r), kind), r, np.broadcast_to(stage, (len(r),))]).astype(np.int64)
 
 
+def read_kv(g) -> tuple[np.ndarray, np.ndarray]:
+    """(token block, head group) of every KV block some compute block reads,
+    by block then group: what a ring or an all-gather moves. Blocks no
+    compute reads — the keys of a mask that never sees them, a cross-attention
+    sample's query side, a head group whose class never reads the block —
+    stay home."""
+    key = np.unique(g.cb_k * g.n_hg + g.cb_hg)
+    return key // g.n_hg, key % g.n_hg
+
+
 def allgather_kv(g, pl) -> np.ndarray:
-    """All-gather traffic: schedule rows of every KV block from its home to
-    every other device, stage 0, ordered by source then destination."""
+    """All-gather traffic: schedule rows of every KV block read (:func:`read_kv`)
+    from its home to every other device, stage 0, ordered by source then destination."""
     n = pl.devices
-    tb = np.repeat(np.arange(g.n_tb), g.n_hg)
-    hg = np.tile(np.arange(g.n_hg), g.n_tb)
+    tb, hg = read_kv(g)
     src = pl.home[tb]
     off = np.arange(1, n)
     dst = (src[:, None] + off[None, :]) % n
@@ -179,8 +188,7 @@ def ring_kv(g, pl) -> tuple[np.ndarray, np.ndarray]:
     Rows come by stage, then sending device (block order within): the order
     of the messages they travel in."""
     n = pl.devices
-    tb = np.repeat(np.arange(g.n_tb), g.n_hg)
-    hg = np.tile(np.arange(g.n_hg), g.n_tb)
+    tb, hg = read_kv(g)  # every KV block some compute block reads goes round
     h = pl.home[tb]
     hop = np.arange(1, n)
     s = np.repeat(hop, len(tb))

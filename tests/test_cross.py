@@ -269,3 +269,21 @@ def test_crafted_q_lens_in_a_plan_file_are_refused():
     body = _body(plan.to_bytes())
     del body["problem"]["q_lens"]  # the same pieces read as self-attention: still valid, a different problem
     assert attnplan.Plan.from_bytes(_repack(body)).ir.problem.q_lens is None
+
+
+@pytest.mark.parametrize("mode", ["ring", "allgather", "allgather_ring"])
+def test_rings_and_gathers_move_only_the_key_side(mode):
+    """A ring or an all-gather moves the KV blocks compute reads: never a
+    cross sample's query side (zeros), nor keys a mask never sees."""
+    from attnplan.ir.schedule import X_KV, XK, XTB
+    plan = attnplan.compile(seqlens_q=[100, 37], seqlens_k=[50, 90], devices=4, block_size=16,
+                            pipeline=f"tile{{block=16}},zigzag,comm{{mode={mode}}},emit", **SHAPE)
+    g, p, x = plan.ir.graph, plan.ir.problem, plan.ir.schedule.xfer
+    sent = np.unique(x[x[:, XK] == X_KV][:, XTB])
+    key_side = np.isin(g.tb_start[sent], p.key_index())
+    assert len(sent) and key_side.all()
+    assert set(sent.tolist()) == set(np.unique(g.cb_k).tolist())
+    few = attnplan.compile(seqlens=[200], mask="k < 16 & k <= q", devices=4, block_size=16,
+                           pipeline=f"tile{{block=16}},zigzag,comm{{mode={mode}}},emit", **SHAPE)
+    fx = few.ir.schedule.xfer
+    assert np.unique(fx[fx[:, XK] == X_KV][:, XTB]).tolist() == [0]  # the one block of keys 0..15
