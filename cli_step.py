@@ -135,6 +135,8 @@ def _problem(args):
     from .step import make_problem
     mesh = _mesh(args)
     if args.seqlens is not None:
+        if ":" in args.seqlens:
+            raise StepError("plan step takes self-attention batches; QUERIES:KEYS lengths are cross-attention")
         lens = parse_seqlens(args.seqlens)
     else:
         b = load_batch(args.batch)

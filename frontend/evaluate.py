@@ -65,8 +65,9 @@ class Evaluator:
     """Evaluates expressions of ``prog``; with ``length=None`` it only checks (static mode)."""
 
     def __init__(self, prog, length: int | None, seg: Segments | None, budget: Budget | None = None,
-                 cross: tuple[int, int] | None = None, head: int | None = None):
+                 cross: tuple[int, int] | None = None, head: int | None = None, share=None, sample=None):
         self.prog, self.seg, self.head = prog, seg, head
+        self.share, self.sample = share, sample  # heads.HeadShare: head-free values kept across heads
         self.L: Any = length  # an int when lowering: the side of the square evaluated
         self.lq_lk: tuple[Any, Any] = cross if cross is not None else (length, length)
         self.static = length is None
@@ -86,22 +87,36 @@ class Evaluator:
     # ------------------------------------------------------------- driving
     def run(self, node, env: dict):
         """The value of ``node`` in ``env`` (a trampoline over the node generators)."""
-        stack: list = []
+        stack: list = []  # (generator, key under which its value is shared or None)
         value = None
         req: tuple | None = (node, env)
         while True:
             if req is not None:
-                value = self._visit(*req)
-                if isinstance(value, GeneratorType):
-                    stack.append(value)
-                    value = None
+                key = self._share_key(*req)
+                if key is not None and key in self.share.values:
+                    value = self.share.values[key]
+                else:
+                    value = self._visit(*req)
+                    if isinstance(value, GeneratorType):
+                        stack.append((value, key))
+                        value = None
+                    elif key is not None:
+                        self.share.values[key] = value
             if not stack:
                 return value
             try:
-                req = stack[-1].send(value)
+                req = stack[-1][0].send(value)
             except StopIteration as stop:
-                stack.pop()
+                key = stack.pop()[1]
                 value, req = stop.value, None
+                if key is not None:
+                    self.share.values[key] = value
+
+    def _share_key(self, node, env) -> tuple | None:
+        """The key of ``node``'s value among the heads' shared values, if it is head-free and parameterless."""
+        if self.share is None or env or id(node) not in self.share.nodes:
+            return None
+        return id(node), self.sample
 
     def mask(self, node, env, what="the mask expression") -> Any:
         v = self.run(node, env)

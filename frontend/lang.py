@@ -186,16 +186,19 @@ class MaskProgram:
         inside ``[0, lq) x [0, lk)`` (sample-relative on both sides)."""
         return self._lower_cross(lq, lk, Budget(), head)
 
-    def _lower(self, length, segments, budget: Budget, head: int | None = None) -> Pieces:
+    def _lower(self, length, segments, budget: Budget, head: int | None = None, share=None) -> Pieces:
         length = _check_length(length)
-        seg = Segments.of(length, _check_segments(length, segments))
-        return Evaluator(self, length, seg, budget, head=_check_head(head)).mask(self._expr, {})
+        checked = _check_segments(length, segments)
+        seg = Segments.of(length, checked)
+        return Evaluator(self, length, seg, budget, head=_check_head(head), share=share,
+                         sample=(length, checked)).mask(self._expr, {})
 
-    def _lower_cross(self, lq, lk, budget: Budget, head: int | None = None) -> Pieces:
+    def _lower_cross(self, lq, lk, budget: Budget, head: int | None = None, share=None) -> Pieces:
         """The mask on the square of side max(lq, lk), clipped to lq x lk (see the module doc)."""
         lq, lk = _check_length(lq), _check_length(lk)
         side = max(lq, lk)
-        ev = Evaluator(self, side, Segments.of(side, None), budget, cross=(lq, lk), head=_check_head(head))
+        ev = Evaluator(self, side, Segments.of(side, None), budget, cross=(lq, lk), head=_check_head(head),
+                       share=share, sample=("cross", lq, lk))
         a = ev.mask(self._expr, {}).a.copy()
         a[:, Q1] = np.minimum(a[:, Q1], lq)
         a[:, K1] = np.minimum(a[:, K1], lk)

@@ -21,6 +21,7 @@ from attnplan.ir.mask import Pieces
 from attnplan.ir.segments import check_segments
 
 from .batch import Batch
+from .heads import HeadShare, head_free_nodes
 from .setops import Budget
 
 __all__ = ["batch_lengths", "lower_batch", "lower_heads"]
@@ -91,13 +92,14 @@ def _distinct(mask, lens: np.ndarray, segments):
     return list(index), np.array(first, dtype=np.int64), inverse
 
 
-def _lower_distinct(mask, keys, first, cross: bool = False, head: int | None = None) -> list[np.ndarray]:
-    budget = Budget()
+def _lower_distinct(mask, keys, first, cross: bool = False, head: int | None = None,
+                    budget: Budget | None = None, share=None) -> list[np.ndarray]:
+    budget = Budget() if budget is None else budget
     out = []
     for (n, seg), i in zip(keys, first.tolist()):
         try:
-            out.append(mask._lower_cross(*divmod(n, 1 << 32), budget, head).a if cross
-                       else mask._lower(n, seg, budget, head).a)
+            out.append(mask._lower_cross(*divmod(n, 1 << 32), budget, head, share).a if cross
+                       else mask._lower(n, seg, budget, head, share).a)
         except MaskError as e:
             raise MaskError(f"{e.message} (sample {i})", e.filename, e.line, e.col, e.text) from None
     return out
@@ -114,7 +116,8 @@ def _check_total(per_sample: np.ndarray, lens: np.ndarray, filename: str) -> int
     return total
 
 
-def lower_batch(mask, seqlens, segments=None, q_lens=None, head: int | None = None) -> Pieces:
+def lower_batch(mask, seqlens, segments=None, q_lens=None, head: int | None = None,
+                budget: Budget | None = None, share=None) -> Pieces:
     """The whole packed mask: sample ``i`` lowered and shifted to its offset.
 
     ``seqlens`` is a sequence of positive lengths (or a :class:`Batch`, whose
@@ -125,7 +128,9 @@ def lower_batch(mask, seqlens, segments=None, q_lens=None, head: int | None = No
     ``i`` is ``q_lens[i]`` queries then ``seqlens[i] - q_lens[i]`` keys on the
     packed axis; its pieces are lowered by ``MaskProgram.lower_cross`` and
     their keys shifted past its queries. ``head``: the query head ``h``
-    stands for (a mask that uses ``h``: see :func:`lower_heads`)."""
+    stands for (a mask that uses ``h``: see :func:`lower_heads`); ``budget``:
+    the work budget to charge (default: a fresh one for this batch);
+    ``share``: a :class:`~attnplan.frontend.heads.HeadShare` across heads."""
     if isinstance(seqlens, Batch) and seqlens.seqlens_k is not None:  # cross: packed = queries then keys
         q_lens = seqlens.seqlens
         seqlens = [a + b for a, b in zip(seqlens.seqlens, seqlens.seqlens_k)]
@@ -133,9 +138,10 @@ def lower_batch(mask, seqlens, segments=None, q_lens=None, head: int | None = No
     if not len(lens):
         return Pieces.empty()
     if q_lens is not None:
-        return _lower_cross_batch(mask, lens, np.asarray(q_lens, np.int64), head)
+        return _lower_cross_batch(mask, lens, np.asarray(q_lens, np.int64), head, budget, share)
     keys, first, inverse = _distinct(mask, lens, segments)
-    out, rows = _gather(mask, _lower_distinct(mask, keys, first, head=head), inverse, lens)
+    out, rows = _gather(mask, _lower_distinct(mask, keys, first, head=head, budget=budget, share=share), inverse,
+                        lens)
     out[:, :4] += (np.cumsum(lens) - lens)[rows][:, None]
     return Pieces(out)
 
@@ -152,11 +158,12 @@ def _gather(mask, arrays: list, inverse: np.ndarray, lens: np.ndarray) -> tuple[
     return np.concatenate(arrays)[starts[inverse][sample_of_row] + within], sample_of_row
 
 
-def _lower_cross_batch(mask, lens: np.ndarray, q_lens: np.ndarray, head: int | None) -> Pieces:
+def _lower_cross_batch(mask, lens: np.ndarray, q_lens: np.ndarray, head: int | None, budget, share) -> Pieces:
     """:func:`lower_batch` of cross-attention samples (distinct (Lq, Lk) lowered once)."""
     pairs = q_lens * (1 << 32) + (lens - q_lens)  # (Lq, Lk), both < 2^32 (MAX_TOKENS)
     keys, first, inverse = _distinct(mask, pairs, None)
-    out, rows = _gather(mask, _lower_distinct(mask, keys, first, cross=True, head=head), inverse, lens)
+    out, rows = _gather(mask, _lower_distinct(mask, keys, first, cross=True, head=head, budget=budget, share=share),
+                        inverse, lens)
     out[:, [2, 3, 4, 5]] += q_lens[rows][:, None]  # keys follow the sample's queries: k, and k - q, move by Lq
     out[:, :4] += (np.cumsum(lens) - lens)[rows][:, None]
     return Pieces(out)
@@ -170,15 +177,19 @@ def lower_heads(mask, seqlens, segments=None, q_lens=None, heads: int = 1):
     with identical pieces share a *mask class* (numbered by first head), the
     classes' pieces are concatenated in class order, ``class_ptr`` (classes
     + 1) indexes them and ``head_class`` names each head's class (both None
-    when every head has the same mask). Work is ``heads`` lowerings."""
+    when every head has the same mask). Work is ``heads`` lowerings, all
+    charged to one budget: the whole per-head mask within ``MAX_MASK_WORK``,
+    like one batch; subexpressions that cannot depend on ``h`` are lowered
+    once and shared (:mod:`.heads`)."""
     if not mask.uses_heads:
         return lower_batch(mask, seqlens, segments, q_lens), None, None
+    budget, share = Budget(), HeadShare(head_free_nodes(mask._lets, mask._expr))
     index: dict[bytes, int] = {}
     arrays: list[np.ndarray] = []
     head_class: list[int] = []
     total = 0
     for h in range(heads):
-        a = lower_batch(mask, seqlens, segments, q_lens, head=h).a
+        a = lower_batch(mask, seqlens, segments, q_lens, head=h, budget=budget, share=share).a
         c = index.setdefault(a.tobytes(), len(index))
         if c == len(arrays):
             total += len(a)

@@ -374,7 +374,8 @@ def refine(ir: PlanIR, g: BlockGraph, mean: float, limit: float, block: int, min
         sample = np.searchsorted(p.offsets, g.tb_start, "right") - 1
         work = np.bincount(sample[g.tile_q], weights=g.tile_pairs, minlength=len(p.seqlens)) * p.heads
         span = math.ceil(work.max(initial=0) / max(mean, 1e-9) - 1e-9)
-        n_hg = max(d for d in divs if d <= max(span, n_hg))
+        # (per-head masks: the graph's head groups are cut at class changes, so n_hg may divide nothing)
+        n_hg = max((d for d in divs if d <= max(span, n_hg)), default=divs[0])
         if block <= 0 and big * _max_group_heads(p.kv_heads, n_hg, p.group) > limit:
             n_hg = next((d for d in divs if d >= n_hg and big * _max_group_heads(p.kv_heads, d, p.group) <= limit),
                         divs[-1])

@@ -287,3 +287,9 @@ def test_rings_and_gathers_move_only_the_key_side(mode):
                            pipeline=f"tile{{block=16}},zigzag,comm{{mode={mode}}},emit", **SHAPE)
     fx = few.ir.schedule.xfer
     assert np.unique(fx[fx[:, XK] == X_KV][:, XTB]).tolist() == [0]  # the one block of keys 0..15
+
+
+def test_the_step_level_refuses_cross_lengths_on_the_command_line(capsys):
+    assert cli.main(["step", "compare", "--seqlens", "300:64,200:96", "--mesh", "dp=2,cp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plan: error:") and "cross-attention" in err and len(err.strip().splitlines()) == 1

@@ -471,7 +471,7 @@ def test_lower_batch_caches_and_is_fast(monkeypatch):
     prog = parse_mask("causal")
     calls = []
     real = MaskProgram._lower
-    monkeypatch.setattr(MaskProgram, "_lower", lambda self, n, s, budget, head=None: calls.append(n) or real(self, n, s, budget, head))
+    monkeypatch.setattr(MaskProgram, "_lower", lambda self, n, s, budget, head=None, share=None: calls.append(n) or real(self, n, s, budget, head, share))
     t = time.perf_counter()
     pieces = lower_batch(prog, lens.tolist())
     elapsed = time.perf_counter() - t

@@ -239,7 +239,7 @@ def test_oversized_batch_file_is_refused_before_reading(tmp_path, monkeypatch):
 def test_identical_samples_share_one_lowering(monkeypatch):
     lowered = []
     real = MaskProgram._lower
-    monkeypatch.setattr(MaskProgram, "_lower", lambda self, n, s, b, head=None: lowered.append(n) or real(self, n, s, b, head))
+    monkeypatch.setattr(MaskProgram, "_lower", lambda self, n, s, b, head=None, share=None: lowered.append(n) or real(self, n, s, b, head, share))
     n = 100_000
     pieces = lower_batch(parse_mask("causal"), [1] * n)  # was 92 s through `plan compile`
     assert lowered == [1]

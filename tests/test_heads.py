@@ -307,3 +307,38 @@ def test_query_heads_of_a_kv_head_are_regrouped_by_class():
     assert same.problem.head_order() is None and same.ir.graph.kv_rep == 1  # classes on kv heads: nothing moves
     from attnplan.runtime.check import check_plan
     assert check_plan(plan)["ok"]
+
+
+@pytest.mark.parametrize("heads, kv, mask", [
+    (3, 3, "(h < 1 & causal) | (h >= 1 & full)"), (5, 5, "(h < 1 & causal) | (h >= 1 & full)"),
+    (4, 4, "(h == 2 & causal) | (h != 2 & full)"), (6, 3, "(h == 0 & false) | (h != 0 & sliding_window(3))"),
+    (8, 8, "(h % 2 == 0 & causal) | (h % 2 == 1 & sliding_window(5))")])
+def test_head_group_counts_that_divide_no_kv_count_plan_everywhere(heads, kv, mask):
+    """Class cuts can leave a head-group count that divides no kv-head count
+    (3 heads cut 1 + 2): hypergraph's head-group choice, and so auto, still
+    plan (found by review: a crash), exactly."""
+    from attnplan.runtime.check import check_plan
+    for devices in (1, 2, 3):
+        for strategy in ("hypergraph", "auto"):
+            plan = attnplan.compile(seqlens=[64, 9], mask=mask, heads=heads, kv_heads=kv, head_dim=4,
+                                    devices=devices, strategy=strategy, block_size=16)
+            assert check_plan(plan)["ok"], (devices, strategy)
+
+
+def test_what_does_not_depend_on_the_head_is_lowered_once(monkeypatch):
+    """Subexpressions that name neither ``h`` nor a let that does are lowered
+    once per sample and shared by every head (frontend/heads.py), with the
+    same pieces as lowering each head alone."""
+    from attnplan.frontend.evaluate import Evaluator
+    calls = []
+    real = Evaluator._builtin
+    monkeypatch.setattr(Evaluator, "_builtin", lambda self, node, a, v: calls.append(node.name) or real(self, node, a, v))
+    text = "let local = sliding_window(5)\nmask = (h < 2 & local) | (h >= 2 & (causal | k < h))"
+    pieces, ptr, classes = lower_heads(parse_mask(text), [40, 40, 17], heads=8)
+    # the parse's static check once, then two distinct samples (not 2 x 8 heads)
+    assert calls.count("sliding_window") == 3 and calls.count("causal") == 3
+    prog = parse_mask(text)
+    for h in range(8):
+        c = classes[h]
+        alone = np.concatenate([prog.lower(L, head=h).a + [o, o, o, o, 0, 0] for L, o in ((40, 0), (40, 40), (17, 80))])
+        assert np.array_equal(dense_allowed(pieces.a[ptr[c]:ptr[c + 1]], 97), dense_allowed(alone, 97)), h
