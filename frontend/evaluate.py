@@ -219,13 +219,13 @@ class Evaluator:
         for t in node.terms:
             values.append((yield (t, env)))
         if node.ops[0][0] in _WORDS:
-            return self._setop(node, values)
+            return self._setop(node, values, not env)
         acc = values[0]
         for (op, line, col), right, v in zip(node.ops, node.terms[1:], values[1:]):
             acc = self._arith(op, acc, v, node.terms[0], right, line, col)
         return acc
 
-    def _setop(self, node: Fold, values):
+    def _setop(self, node: Fold, values, top: bool = False):
         op = node.ops[0][0]
         for i, (v, t) in enumerate(zip(values, node.terms)):
             if not is_mask(v):
@@ -234,6 +234,8 @@ class Evaluator:
                                *start_of(t))
         if self.static:
             return STATIC_MASK
+        if top and self.share is not None:
+            values = self._share_terms(node, values)
         if op == "|":
             apart = self._limited(setops.union_apart, node, values, self.budget)
             if apart is not None:
@@ -243,6 +245,23 @@ class Evaluator:
         for (_, line, col), v in zip(node.ops, values[1:]):
             acc = self._limited(fn, node, acc, v, self.budget, line=line, col=col)
         return acc
+
+    def _share_terms(self, node: Fold, values: list) -> list:
+        """Per-head lowering (:mod:`.heads`): the head-free terms of a union or
+        an intersection combined once per sample (the operation is associative
+        and commutative), then the terms that depend on the head."""
+        free = [v for v, t in zip(values, node.terms) if id(t) in self.share.nodes]
+        rest = [v for v, t in zip(values, node.terms) if id(t) not in self.share.nodes]
+        if len(free) < 2 or not rest:
+            return values
+        key = (id(node), "terms", self.sample)
+        if key not in self.share.values:
+            fn = setops.intersect if node.ops[0][0] == "&" else setops.union
+            acc = free[0]
+            for v in free[1:]:
+                acc = self._limited(fn, node, acc, v, self.budget)
+            self.share.values[key] = acc
+        return [self.share.values[key], *rest]
 
     def _arith(self, op, a, b, left, right, line, col):
         for side, v, sub in (("left", a, left), ("right", b, right)):

@@ -342,3 +342,28 @@ def test_what_does_not_depend_on_the_head_is_lowered_once(monkeypatch):
         c = classes[h]
         alone = np.concatenate([prog.lower(L, head=h).a + [o, o, o, o, 0, 0] for L, o in ((40, 0), (40, 40), (17, 80))])
         assert np.array_equal(dense_allowed(pieces.a[ptr[c]:ptr[c + 1]], 97), dense_allowed(alone, 97)), h
+
+
+@settings(max_examples=40, deadline=None)
+@given(expressions(), expressions(), st.integers(0, 7), st.sampled_from(["&", "|"]), st.integers(1, 20),
+       st.sampled_from([2, 4, 8]))
+def test_head_free_terms_combined_once_give_each_heads_mask(e1, e2, c, op, L, heads):
+    """``h < c OP e1 OP e2``: the head-free terms are combined once per sample
+    and shared; every head's pieces still equal the brute force."""
+    text = f"({e1[0]}) {op} h < {c} {op} ({e2[0]})"
+    try:
+        prog = parse_mask(text)
+    except MaskError as e:
+        assert e.line == 1 and e.col >= 1
+        return
+    pieces, ptr, classes = lower_heads(prog, [L, L + 3], heads=heads)
+    hc = np.zeros(heads, np.int64) if classes is None else classes
+    ptr = np.array([0, len(pieces)]) if ptr is None else ptr
+    for h in range(heads):
+        for o, n in ((0, L), (L, L + 3)):
+            a, b = numpy_mask(e1[1], n), numpy_mask(e2[1], n)
+            want = (a & b & (h < c)) if op == "&" else (a | b | (h < c))
+            mine = pieces.a[ptr[hc[h]]:ptr[hc[h] + 1]].copy()
+            mine = mine[(mine[:, 0] >= o) & (mine[:, 0] < o + n)]
+            mine[:, :4] -= o
+            assert np.array_equal(dense_allowed(mine, n), want), (h, o)
