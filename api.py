@@ -372,15 +372,12 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
         return _compile_auto(dict(opts, seqlens=lens, q_lens=q_lens, segments=segments, mask=prog, verify=verify,
                                   instruments=instruments, max_compute_blocks=max_blocks))
     from .frontend.lower import lower_heads
-    from .passes import parse_pipeline, run_pipeline, strategies
-    from .passes.comm import variant_options
+    from .passes import parse_pipeline, run_pipeline
+    from .passes.comm import parse_entry
 
     named = pipeline is None
     if named:
-        name, _, variant = strategy.partition(":")  # NAME:VARIANT: the default pipeline under another comm step
-        if name not in strategies():
-            raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategies())}")
-        comm = variant_options(variant, strategy) if ":" in strategy else None
+        name, comm = parse_entry(strategy)  # NAME:VARIANT: the default pipeline under another comm step
         pipeline = default_pipeline(name, opts["block_size"], comm)
     passes = parse_pipeline(pipeline)
     pieces, ptr, classes = lower_heads(prog, lens.tolist(), segments, q_lens, opts["heads"])

@@ -120,10 +120,10 @@ def _batch_args(p):
     src.add_argument("--batch", help="batch file (JSON or JSONL) or FILE:NAME for one line of a JSONL file")
 
 
-def _load_batch(args) -> dict:
-    """The batch as compile keywords: seqlens and segments, or seqlens_q and seqlens_k."""
+def _load_batch(args):
+    """The batch of ``--seqlens`` or ``--batch`` (a :class:`attnplan.frontend.Batch`)."""
     from .frontend import load_batch, parse_batch_text
-    return (parse_batch_text(args.seqlens) if args.seqlens is not None else load_batch(args.batch)).compile_args()
+    return parse_batch_text(args.seqlens) if args.seqlens is not None else load_batch(args.batch)
 
 
 def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, a100, cpu-local, or FILE.json"):
@@ -274,7 +274,7 @@ def _add_compare_bench(sub) -> None:
 def _cmd_compile(args) -> int:
     from .api import compile as compile_plan
     _check_output(args.output, "plan file", binary=True)
-    batch = _load_batch(args)
+    batch = _load_batch(args).compile_args()
 
     def show(p, ir, dt):
         print(f"  {p.spec():<40} {dt * 1e3:9.1f} ms", file=sys.stderr)
@@ -383,12 +383,10 @@ def _cmd_show(args) -> int:
 def _cmd_mask(args) -> int:
     from .frontend import load_mask, render
     batch = _load_batch(args)
-    q_lens = batch.get("seqlens_q")
-    seqlens = batch["seqlens"] if q_lens is None else [a + b for a, b in zip(q_lens, batch["seqlens_k"])]
-    if sum(seqlens) > 4096:
-        raise PlanError(f"plan mask draws small batches (at most 4096 tokens); this one has {sum(seqlens):,}")
-    print(render(load_mask(args.mask), seqlens, batch.get("segments"), width=args.width, q_lens=q_lens,
-                 head=args.head))
+    tokens = batch.num_tokens + sum(batch.seqlens_k or ())  # queries and keys of cross-attention samples
+    if tokens > 4096:
+        raise PlanError(f"plan mask draws small batches (at most 4096 tokens); this one has {tokens:,}")
+    print(render(load_mask(args.mask), batch, width=args.width, head=args.head))
     return 0
 
 
@@ -424,7 +422,7 @@ def _cmd_compare(args) -> int:
         raise PlanError("--html -: the table goes to stdout; give the report a file name")
     if args.html is not None:
         _check_output(args.html, "report")
-    batch = _load_batch(args)
+    batch = _load_batch(args).compile_args()
     strategies = _strategy_list(args.strategies)
     check_options(devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype, profile=args.profile)

@@ -188,6 +188,9 @@ def _segments(pb, lens: np.ndarray):
         fail(str(e))
 
 
+_OPTIONAL = {"q_lens": L.MAX_SAMPLES, "head_class": L.MAX_HEADS, "class_ptr": L.MAX_HEADS + 1}  # absent: None
+
+
 def problem(pb) -> Problem:
     lens = _seqlens(pb)
     heads = integer(pb, "heads", "problem", 1, L.MAX_HEADS, "MAX_HEADS")
@@ -201,37 +204,11 @@ def problem(pb) -> Problem:
     pieces = array(pb, "pieces", "problem", cols=6, max_len=L.MAX_MASK_PIECES, limit="MAX_MASK_PIECES")
     _pieces_in_range(pieces, int(lens.sum()), "problem.pieces")
     kw = dict(mask=string(pb, "mask", "problem"), segments=_segments(pb, lens), dtype=dtype,
-              q_lens=_q_lens(pb, lens), **_classes(pb, heads, len(pieces)))
-    try:
+              **{f: array(pb, f, "problem", max_len=n) for f, n in _OPTIONAL.items() if f in pb})
+    try:  # Problem checks what the optional arrays mean (cross-attention, per-head masks)
         return Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=Pieces(pieces), **kw)
     except (PlanError, BatchError) as e:
         fail(f"problem: {e}")
-
-
-def _classes(pb, heads: int, n_pieces: int) -> dict:
-    """Per-head mask classes (absent: one mask), checked by Problem (a PlanError becomes a plan file error)."""
-    if "head_class" not in pb and "class_ptr" not in pb:
-        return {}
-    hc = array(pb, "head_class", "problem", length=heads)
-    ptr = array(pb, "class_ptr", "problem", max_len=heads + 1)
-    in_range(hc, 0, heads - 1, "problem.head_class")
-    in_range(ptr, 0, n_pieces, "problem.class_ptr")
-    return {"head_class": hc, "class_ptr": ptr}
-
-
-def _q_lens(pb, lens: np.ndarray):
-    """Query lengths of cross-attention samples (absent: self-attention), each in [1, seqlens[i])."""
-    if "q_lens" not in pb:
-        return None
-    q = array(pb, "q_lens", "problem", max_len=L.MAX_SAMPLES, limit="MAX_SAMPLES")
-    if len(q) != len(lens):
-        fail(f"problem.q_lens has {len(q)} entries for {len(lens)} samples")
-    bad = np.flatnonzero((q < 1) | (q >= lens))
-    if len(bad):
-        fail(f"problem.q_lens[{bad[0]}] = {q[bad[0]]} is not in [1, {lens[bad[0]]}) (a query and a key at least)")
-    if pb.get("segments") is not None:
-        fail("problem.q_lens with problem.segments: cross-attention samples have no segments")
-    return q
 
 
 def _kv_rep(gb, p: Problem) -> int:

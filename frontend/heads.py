@@ -13,20 +13,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .names import _children, mentions
+from .names import _children
 from .tree import Call, Name
 
 __all__ = ["HeadShare", "head_free_nodes"]
 
 
-def _calls(node) -> set[str]:
-    """Names a subexpression names or calls (explicit stack)."""
-    out, stack = set(), [node]
+def _depends(root, dep: set[str]) -> dict[int, bool]:
+    """For every node under ``root`` (by ``id``): whether it names ``h`` or a
+    let in ``dep``. One post-order pass with an explicit stack."""
+    out: dict[int, bool] = {}
+    stack: list = [(root, False)]
     while stack:
-        n = stack.pop()
-        if isinstance(n, (Name, Call)):
-            out.add(n.name)
-        stack.extend(_children(n))
+        n, done = stack.pop()
+        kids = _children(n)
+        if done:
+            own = isinstance(n, (Name, Call)) and (n.name == "h" or n.name in dep)
+            out[id(n)] = own or any(out[id(c)] for c in kids)
+        else:
+            stack.append((n, True))
+            stack.extend((c, False) for c in kids)
     return out
 
 
@@ -35,16 +41,17 @@ def head_free_nodes(lets: dict, expr) -> frozenset[int]:
     cannot depend on the query head (module doc)."""
     dep: set[str] = set()
     for name, let in lets.items():  # a let only uses lets defined above it
-        if mentions([let.body], "h") or _calls(let.body) & dep:
+        if _depends(let.body, dep)[id(let.body)]:
             dep.add(name)
-    roots = [expr] + [let.body for let in lets.values() if not let.params]
-    out, stack = set(), list(roots)
-    while stack:
-        n = stack.pop()
-        if not mentions([n], "h") and not (_calls(n) & dep):
-            out.add(id(n))
-            continue
-        stack.extend(_children(n))
+    out: set[int] = set()
+    for root in [expr] + [let.body for let in lets.values() if not let.params]:
+        depends, stack = _depends(root, dep), [root]
+        while stack:
+            n = stack.pop()
+            if depends[id(n)]:
+                stack.extend(_children(n))
+            else:
+                out.add(id(n))
     return frozenset(out)
 
 

@@ -13,6 +13,8 @@ evaluations of one batch share one work budget (``MAX_MASK_WORK``).
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from attnplan.errors import BatchError, MaskError
@@ -62,14 +64,21 @@ def batch_lengths(seqlens) -> np.ndarray:
     return arr
 
 
-def batch_args(seqlens, segments):
-    """(lengths array, checked segments or None) from a :class:`Batch` or a sequence (and segments)."""
+def batch_args(seqlens, segments, q_lens=None):
+    """(packed lengths array, checked segments or None, query lengths or None)
+    from a :class:`Batch` or a sequence (and segments, and the query lengths
+    of cross-attention samples); a cross-attention :class:`Batch` packs each
+    sample as its queries then its keys."""
     if isinstance(seqlens, Batch):
-        seqlens, segments = seqlens.seqlens, seqlens.segments if segments is None else segments
+        if seqlens.seqlens_k is not None:
+            q_lens = seqlens.seqlens
+            segments, seqlens = None, [a + b for a, b in zip(seqlens.seqlens, seqlens.seqlens_k)]
+        else:
+            seqlens, segments = seqlens.seqlens, seqlens.segments if segments is None else segments
     lens = batch_lengths(seqlens)
     if segments is not None:
         segments = check_segments(segments, lens.tolist(), "")
-    return lens, segments
+    return lens, segments, q_lens
 
 
 def _distinct(mask, lens: np.ndarray, segments):
@@ -131,10 +140,7 @@ def lower_batch(mask, seqlens, segments=None, q_lens=None, head: int | None = No
     stands for (a mask that uses ``h``: see :func:`lower_heads`); ``budget``:
     the work budget to charge (default: a fresh one for this batch);
     ``share``: a :class:`~attnplan.frontend.heads.HeadShare` across heads."""
-    if isinstance(seqlens, Batch) and seqlens.seqlens_k is not None:  # cross: packed = queries then keys
-        q_lens = seqlens.seqlens
-        seqlens = [a + b for a, b in zip(seqlens.seqlens, seqlens.seqlens_k)]
-    lens, segments = batch_args(seqlens, segments)
+    lens, segments, q_lens = batch_args(seqlens, segments, q_lens)
     if not len(lens):
         return Pieces.empty()
     if q_lens is not None:
@@ -189,8 +195,10 @@ def lower_heads(mask, seqlens, segments=None, q_lens=None, heads: int = 1):
     head_class: list[int] = []
     total = 0
     for h in range(heads):
-        a = lower_batch(mask, seqlens, segments, q_lens, head=h, budget=budget, share=share).a
-        c = index.setdefault(a.tobytes(), len(index))
+        a = np.ascontiguousarray(lower_batch(mask, seqlens, segments, q_lens, head=h, budget=budget, share=share).a)
+        c = index.setdefault(hashlib.sha256(a.data).digest(), len(index))  # a digest, not a copy of the pieces
+        if c < len(arrays) and not np.array_equal(arrays[c], a):  # pragma: no cover - a sha-256 collision
+            raise MaskError(f"head {h}: two different per-head masks share a digest", mask.filename)
         if c == len(arrays):
             total += len(a)
             if total > MAX_MASK_PIECES:

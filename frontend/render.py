@@ -64,11 +64,12 @@ def density(pieces: Pieces, size: int, width: int = 64):
 def render(mask, seqlens, segments=None, width: int = 64, q_lens=None, head: int | None = None) -> str:
     """ASCII picture of the whole packed mask, one character per cell of
     ``cell x cell`` tokens: '#' all pairs allowed, '+' over half, '.' some, ' ' none.
-    ``q_lens``: cross-attention samples, drawn on the packed axis (each
-    sample's queries, then its keys; see :func:`lower_batch`)."""
+    ``q_lens`` (or a cross-attention :class:`Batch`): cross-attention samples,
+    drawn on the packed axis (each sample's queries, then its keys; see
+    :func:`lower_batch`)."""
     if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or not 1 <= width <= MAX_MASK_WIDTH:
         raise PlanError(f"picture width must be an integer in 1..{MAX_MASK_WIDTH} (MAX_MASK_WIDTH), got {width!r}")
-    lens, segments = batch_args(seqlens, segments)
+    lens, segments, q_lens = batch_args(seqlens, segments, q_lens)
     if not len(lens):
         raise BatchError("a picture needs at least one sample")
     pieces = lower_batch(mask, lens, segments, q_lens, head)

@@ -211,6 +211,9 @@ def hg_share(g: BlockGraph, n: int) -> np.ndarray:
 
 def _compute_blocks(tile_class: np.ndarray, hg_class: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(cb_tile, cb_hg): every tile with every head group of its class, in tile order then head group."""
+    n_tile, n_hg = len(tile_class), len(hg_class)
+    if not hg_class.any():  # one class: every tile with every head group
+        return (np.repeat(np.arange(n_tile, dtype=np.int64), n_hg), np.tile(np.arange(n_hg, dtype=np.int64), n_tile))
     order = np.argsort(hg_class, kind="stable")
     n_cls = int(max(hg_class.max(), tile_class.max(initial=0))) + 1
     cnt = np.bincount(hg_class, minlength=n_cls)
@@ -260,8 +263,10 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     rows[:, K1] = np.minimum(rows[:, K1], ends[kb])
     keep = tighten(rows)
     rows, src, qb, kb = rows[keep], src[keep], qb[keep], kb[keep]
-    # group into tiles: (mask class, q block, kv block)
-    key = (problem.class_of_piece()[src] * len(starts) + qb) * len(starts) + kb
+    # group into tiles: (mask class, q block, kv block); one class without per-head masks
+    key = qb * len(starts) + kb
+    if problem.class_ptr is not None:
+        key += problem.class_of_piece()[src] * (len(starts) * len(starts))
     order = np.lexsort((src, key))
     rows, src, key = rows[order], src[order], key[order]
     bound = np.flatnonzero(np.diff(key)) + 1

@@ -54,9 +54,9 @@ def _check_classes(head_class, class_ptr, heads: int, n_pieces: int) -> tuple[np
     hc, ptr = np.asarray(head_class), np.asarray(class_ptr)
     if hc.ndim != 1 or len(hc) != heads or hc.dtype.kind not in "iu":
         raise PlanError(f"head_class must be one integer per query head ({heads}), got {hc.dtype} {list(hc.shape)}")
-    n = int(hc.max()) + 1 if len(hc) else 0
-    first = np.array([np.flatnonzero(hc == c)[0] if (hc == c).any() else -1 for c in range(n)], np.int64)
-    if hc.min() < 0 or n < 2 or (first < 0).any() or (np.diff(first) <= 0).any():
+    used, first = np.unique(hc, return_index=True)
+    n = len(used)
+    if n < 2 or not np.array_equal(used, np.arange(n)) or (np.diff(first) <= 0).any():
         raise PlanError(f"head_class {hc.tolist()[:16]} must number 2 or more classes 0, 1, ... by their first head")
     if ptr.ndim != 1 or len(ptr) != n + 1 or ptr.dtype.kind not in "iu" or ptr[0] != 0 or ptr[-1] != n_pieces \
             or (np.diff(ptr) < 0).any():

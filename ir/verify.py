@@ -144,12 +144,15 @@ def _check_tile_index(g: BlockGraph) -> None:
     bad = _first((g.piece_src < 0) | (g.piece_src >= len(g.problem.pieces)))
     if bad is not None:
         _fail(2, f"tile piece {bad} comes from mask piece {g.piece_src[bad]}, which does not exist")
-    cls = g.problem.class_of_piece()[g.piece_src]
-    owner = np.repeat(np.arange(g.n_tile), np.diff(g.tile_ptr))
-    bad = _first(cls != g.tile_class[owner])
-    if bad is not None:
-        _fail(2, f"tile {owner[bad]} holds pieces of mask classes {g.tile_class[owner[bad]]} and {cls[bad]}")
-    key = np.sort((g.tile_class * g.n_tb + g.tile_q) * g.n_tb + g.tile_k)
+    key = g.tile_q * g.n_tb + g.tile_k
+    if g.problem.class_ptr is not None:  # per-head masks: a tile's pieces are of one class, tiles per class
+        cls = g.problem.class_of_piece()[g.piece_src]
+        owner = np.repeat(np.arange(g.n_tile), np.diff(g.tile_ptr))
+        bad = _first(cls != g.tile_class[owner])
+        if bad is not None:
+            _fail(2, f"tile {owner[bad]} holds pieces of mask classes {g.tile_class[owner[bad]]} and {cls[bad]}")
+        key = key + g.tile_class * (g.n_tb * g.n_tb)
+    key = np.sort(key)
     dup = _first(key[1:] == key[:-1])
     if dup is not None:
         c, qk = divmod(int(key[dup]), g.n_tb * g.n_tb)
@@ -197,12 +200,12 @@ def _check_compute_blocks(g: BlockGraph) -> None:
     if bad is not None:
         _fail(2, f"compute block c{bad} refers to tile {g.cb_tile[bad]} / head group {g.cb_hg[bad]}, which do "
                  f"not exist")
-    tc, hc = g.tile_class, g.hg_class
-    bad = _first(tc[g.cb_tile] != hc[g.cb_hg])
-    if bad is not None:
-        _fail(2, f"compute block c{bad} pairs tile {g.cb_tile[bad]} (mask class {tc[g.cb_tile[bad]]}) with head "
-                 f"group {g.cb_hg[bad]} (mask class {hc[g.cb_hg[bad]]})")
-    if g.problem.head_class is not None:  # count per class: every tile of class c with every head group of c
+    if g.problem.head_class is not None:  # per class: every tile of class c with every head group of c
+        tc, hc = g.tile_class, g.hg_class
+        bad = _first(tc[g.cb_tile] != hc[g.cb_hg])
+        if bad is not None:
+            _fail(2, f"compute block c{bad} pairs tile {g.cb_tile[bad]} (mask class {tc[g.cb_tile[bad]]}) with "
+                     f"head group {g.cb_hg[bad]} (mask class {hc[g.cb_hg[bad]]})")
         want = int(np.bincount(hc, minlength=int(tc.max(initial=0)) + 1)[tc].sum())
         key = np.sort(g.cb_tile * h + g.cb_hg)
         dup = _first(key[1:] == key[:-1])

@@ -55,7 +55,7 @@ from ..errors import PlanError
 from ..ir.module import PlanIR
 from ..ir.schedule import X_KV, X_O, X_Q, Schedule
 from ..ir.verify import needed_transfers
-from .base import Pass, register
+from .base import Pass, register, strategies
 
 
 MODES = ("p2p", "ring", "allgather", "allgather_ring", "a2a")
@@ -71,11 +71,15 @@ COMM_VARIANTS = {  # name:variant -> the options of the comm step
 }
 
 
-def variant_options(variant: str, entry: str) -> str:
-    """The comm step options of ``NAME:VARIANT``'s variant; PlanError naming it if unknown."""
-    if variant not in COMM_VARIANTS:
+def parse_entry(entry: str) -> tuple[str, str | None]:
+    """A strategy entry ``name`` or ``name:variant`` as (strategy, the
+    variant's comm step options or None); PlanError naming what is unknown."""
+    name, _, variant = entry.partition(":")
+    if name not in strategies():
+        raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategies())}")
+    if ":" in entry and variant not in COMM_VARIANTS:
         raise PlanError(f"unknown communication variant {variant!r} in {entry!r}; known: {', '.join(COMM_VARIANTS)}")
-    return COMM_VARIANTS[variant]
+    return name, (COMM_VARIANTS[variant] if ":" in entry else None)
 
 
 def default_relay(mode: str) -> str:

@@ -12,7 +12,7 @@ import torch
 from ..errors import PlanError
 from ..ir.mask import K0, Q0
 from ..ir.module import PlanIR
-from .executor import execute
+from .executor import embed, execute
 from .reference import dense_allowed, dense_attention
 
 # max abs error / max(1, max |reference|), per dtype and tensor. bf16 keeps 8
@@ -65,13 +65,11 @@ def reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 << 22):
     side, and sliced back."""
     if problem.q_lens is None:
         return packed_reference(problem, q, k, v, dout, scale, chunk_elems)
-    qi, ki, T = torch.from_numpy(problem.query_index()), torch.from_numpy(problem.key_index()), problem.tokens
-
-    def put(t, idx):
-        return t.new_zeros((T,) + tuple(t.shape[1:])).index_copy(0, idx, t)
-
-    out, (dq, dk, dv) = packed_reference(problem, put(q, qi), put(k, ki), put(v, ki), put(dout, qi), scale, chunk_elems)
-    return out[qi], [dq[qi], dk[ki], dv[ki]]
+    qi, ki, T = problem.query_index(), problem.key_index(), problem.tokens
+    out, (dq, dk, dv) = packed_reference(problem, embed(q, qi, T), embed(k, ki, T), embed(v, ki, T),
+                                         embed(dout, qi, T), scale, chunk_elems)
+    qt, kt = torch.from_numpy(qi), torch.from_numpy(ki)
+    return out[qt], [dq[qt], dk[kt], dv[kt]]
 
 
 def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 << 22):
@@ -102,12 +100,13 @@ def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 
         for r0 in range(0, L, step):
             r1 = min(L, r0 + step)
             qq = torch.arange(r0, r1).unsqueeze(1)
-            allowed = torch.zeros((q.shape[1], r1 - r0, L), dtype=torch.bool)  # [H, rows, keys]: per-head masks
-            for heads, sel in sels:
-                one = torch.zeros((r1 - r0, L), dtype=torch.bool)
-                for q0, q1, k0, k1, lo, hi in sel.tolist():
-                    one |= (qq >= q0) & (qq < q1) & (kk >= k0) & (kk < k1) & (kk - qq >= lo) & (kk - qq <= hi)
-                allowed[torch.from_numpy(heads)] = one
+            masks = [_allowed(sel, qq, kk, r1 - r0, L) for _, sel in sels]
+            if len(masks) == 1:  # one mask for every head: [1, rows, keys], broadcast
+                allowed = masks[0][None]
+            else:  # per-head masks: [H, rows, keys]
+                allowed = torch.zeros((q.shape[1], r1 - r0, L), dtype=torch.bool)
+                for (heads, _), m in zip(sels, masks):
+                    allowed[torch.from_numpy(heads)] = m
             qc = q[a + r0:a + r1].to(torch.float64)
             doc = dout[a + r0:a + r1].to(torch.float64)
             s = torch.einsum("qhd,khd->hqk", qc, ke).mul_(scale).masked_fill_(~allowed, float("-inf"))
@@ -115,7 +114,7 @@ def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 
             p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
             den = p.sum(dim=-1, keepdim=True)
             # rows without keys: out 0; rows whose allowed scores are all -inf (infinite inputs): 0/0 = NaN
-            p.div_(torch.where(allowed.any(dim=2)[:, :, None], den, torch.ones_like(den)))
+            p.div_(torch.where(allowed.any(dim=2)[:, :, None], den, torch.ones_like(den)))  # rows without keys: 0
             oc = torch.einsum("hqk,khd->qhd", p, ve)
             delta = (doc * oc).sum(-1).transpose(0, 1).unsqueeze(-1)  # [H, c, 1]
             ds = p * (torch.einsum("qhd,khd->hqk", doc, ve) - delta)
@@ -126,6 +125,14 @@ def packed_reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 
         dk[a:b] = dke.view(L, k.shape[1], rep, -1).sum(2)
         dv[a:b] = dve.view(L, k.shape[1], rep, -1).sum(2)
     return out, [dq, dk, dv]
+
+
+def _allowed(sel: torch.Tensor, qq: torch.Tensor, kk: torch.Tensor, rows: int, keys: int) -> torch.Tensor:
+    """bool [rows, keys]: the pairs of rows ``qq`` and keys ``kk`` some piece of ``sel`` allows."""
+    out = torch.zeros((rows, keys), dtype=torch.bool)
+    for q0, q1, k0, k1, lo, hi in sel.tolist():
+        out |= (qq >= q0) & (qq < q1) & (kk >= k0) & (kk < k1) & (kk - qq >= lo) & (kk - qq <= hi)
+    return out
 
 
 def _sample_pieces(P: np.ndarray, a: int, b: int) -> torch.Tensor:

@@ -260,7 +260,8 @@ def test_crafted_q_lens_in_a_plan_file_are_refused():
 
     from .test_planfile import _body, _repack
     plan = attnplan.compile(seqlens_q=[6, 3], seqlens_k=[4, 5], devices=1, **SHAPE)
-    for bad, match in (([6], "2 samples"), ([10, 3], "not in \\[1, 10\\)"), ([0, 3], "not in"),
+    for bad, match in (([6], "one integer per sample \\(2\\)"), ([10, 3], "10 queries of 10 packed tokens"),
+                       ([0, 3], "sample 0: 0 queries"),
                        ([5, 3], "invariant 1: mask piece 0 .* not inside its queries")):
         body = _body(plan.to_bytes())
         body["problem"]["q_lens"] = _arr(np.array(bad, np.int64))
@@ -293,3 +294,11 @@ def test_the_step_level_refuses_cross_lengths_on_the_command_line(capsys):
     assert cli.main(["step", "compare", "--seqlens", "300:64,200:96", "--mesh", "dp=2,cp=2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("plan: error:") and "cross-attention" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_cross_batch_object_lowers_and_draws_as_its_lengths_do():
+    from attnplan.frontend import Batch, render
+    b = Batch((6, 3), seqlens_k=(4, 5))
+    prog = parse_mask("k <= q + Lk - Lq")
+    assert np.array_equal(lower_batch(prog, b).a, lower_batch(prog, [10, 8], q_lens=[6, 3]).a)
+    assert render(prog, b, width=18) == render(prog, [10, 8], width=18, q_lens=[6, 3])

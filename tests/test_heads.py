@@ -168,7 +168,7 @@ def test_plan_files_carry_the_classes_and_refuse_crafted_ones():
             attnplan.Plan.from_bytes(_repack(body))
     body = _body(data)
     del body["problem"]["head_class"]
-    with pytest.raises(PlanFileError, match="missing problem.head_class"):
+    with pytest.raises(PlanFileError, match="per-head masks need both head_class and class_ptr"):
         attnplan.Plan.from_bytes(_repack(body))
 
 

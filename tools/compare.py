@@ -15,18 +15,9 @@ from __future__ import annotations
 from ..api import compile as compile_plan
 from ..api import default_pipeline
 from ..errors import AttnplanError, PlanError
-from ..passes.comm import COMM_VARIANTS, variant_options
+from ..passes.comm import COMM_VARIANTS, parse_entry
 
 __all__ = ["COMM_VARIANTS", "compare", "format_rows", "parse_entry"]
-
-def parse_entry(entry: str) -> tuple[str, str | None]:
-    """``name`` or ``name:variant`` as (strategy, comm options or None);
-    PlanError naming what is unknown."""
-    from ..passes import strategies
-    name, _, variant = entry.partition(":")
-    if name not in strategies():
-        raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategies())}")
-    return name, (variant_options(variant, entry) if ":" in entry else None)
 
 COLUMNS = ("strategy", "compute_imbalance", "token_imbalance", "comm_bytes_total", "comm_bytes_max", "predicted_s",
            "predicted_over_lower_bound", "plan_s", "last_stage_share", "kernel_work_ratio")
