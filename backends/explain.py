@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
+from ..ir.groups import ungroup
 from ..ir.program import KINDS, PHASES, T_BYTES, T_DST, T_HG, T_KIND, T_PHASE, T_SRC, T_TB
 from .panels import panel_data
 
@@ -121,18 +122,25 @@ def _work_sources(plan, focus: int, cbs: np.ndarray, top: int) -> list[str]:
     g, p = ir.graph, ir.problem
     pairs = g.cb_pairs[cbs]
     dev_pairs = int(pairs.sum())
-    all_cb_doc = np.searchsorted(p.offsets, g.tb_start[g.cb_q], "right") - 1
-    per_doc = np.bincount(all_cb_doc[cbs], weights=pairs, minlength=len(p.seqlens))
-    doc_total = np.bincount(all_cb_doc, weights=g.cb_pairs, minlength=len(p.seqlens))
+    fine, owner = ungroup(g) if g.grouped else (g, np.arange(g.n_cb))  # varlen groups: span by span
+    fine_doc = np.searchsorted(p.offsets, fine.tb_start[fine.cb_q], "right") - 1
+    mine = np.isin(owner, cbs)
+    per_doc = np.bincount(fine_doc[mine], weights=fine.cb_pairs[mine], minlength=len(p.seqlens))
+    doc_total = np.bincount(fine_doc, weights=fine.cb_pairs, minlength=len(p.seqlens))
     order = np.argsort(-per_doc, kind="stable")[:top]
     parts = [f"#{i} ({int(p.seqlens[i]):,} tokens) {per_doc[i] / max(1, dev_pairs):.1%}"
              f" (d{focus} does {per_doc[i] / max(1, doc_total[i]):.0%} of it)" for i in order if per_doc[i] > 0]
     items = []
+    docs_of = np.bincount(owner, minlength=g.n_cb) if g.grouped else None
     for c in cbs[np.argsort(-pairs, kind="stable")[:top]].tolist():
         q, k = int(g.cb_q[c]), int(g.cb_k[c])
-        items.append(f"c{c} q tb{q} [{g.tb_start[q]:,}, {g.tb_end[q]:,}) × kv tb{k} [{g.tb_start[k]:,}, "
-                     f"{g.tb_end[k]:,}) hg{g.cb_hg[c]} {g.cb_pairs[c]:,} pairs (doc #{all_cb_doc[c]}, "
-                     f"stage {ir.schedule.cb_stage[c]})")
+        if docs_of is None:
+            where = (f"q tb{q} [{g.tb_start[q]:,}, {g.tb_end[q]:,}) × kv tb{k} [{g.tb_start[k]:,}, {g.tb_end[k]:,}) "
+                     f"hg{g.cb_hg[c]} {g.cb_pairs[c]:,} pairs (doc #{fine_doc[c]}, ")
+        else:
+            where = (f"q tb{q} ({int(g.tb_len[q]):,} rows) × kv tb{k} ({int(g.tb_len[k]):,} rows) hg{g.cb_hg[c]} "
+                     f"{g.cb_pairs[c]:,} pairs (varlen group: {int(docs_of[c])} span pairs, ")
+        items.append(f"c{c} {where}stage {ir.schedule.cb_stage[c]})")
     return [f"  documents ({int((per_doc > 0).sum())} in all): " + "; ".join(parts),
             "  largest blocks: " + "; ".join(items)]
 

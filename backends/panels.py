@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
+from ..ir.groups import ungroup
 from ..ir.program import BBYTES, BWD, FWD, M_DST, M_SRC, T_BYTES, T_DST, T_PHASE, T_SRC
 from .cost import Profile, simulate
 from .stats import compute_stats
@@ -72,12 +73,12 @@ def _cell_device_pairs(cell: np.ndarray, dev: np.ndarray, pairs: np.ndarray, n: 
     return cd_key // n, cd_key % n, _reduce(np.add, pairs[order], st)
 
 
-def _cell_totals(cell: np.ndarray, pairs: np.ndarray, stage: np.ndarray) -> dict:
+def _cell_totals(cell: np.ndarray, pairs: np.ndarray, stage: np.ndarray, cb_id: np.ndarray) -> dict:
     """Per cell present (in increasing cell order): its id, compute blocks,
-    pairs, first and last stage and first and last compute block."""
+    pairs, first and last stage and first and last compute block (``cb_id``)."""
     order = np.argsort(cell, kind="stable")
     cs = _group_starts(cell[order])
-    ids = np.arange(len(cell), dtype=np.int64)[order]
+    ids = cb_id[order]
     return {"cell": cell[order][cs], "blocks": np.diff(np.concatenate([cs, [len(cell)]])).astype(np.int64),
             "pairs": _reduce(np.add, pairs[order], cs),
             "stage_min": _reduce(np.minimum, stage[order], cs), "stage_max": _reduce(np.maximum, stage[order], cs),
@@ -103,16 +104,21 @@ def mask_cells(plan, max_bins: int = 160) -> dict:
     device's part of the pairs) and the exact per-(cell, device) breakdown
     ``cd_cell, cd_device, cd_pairs``."""
     ir = plan.ir
-    g, pl, p = ir.graph, ir.placement, ir.problem
+    g, p = ir.graph, ir.problem
+    cb_device = ir.placement.cb_device
+    stage = ir.schedule.cb_stage if ir.schedule is not None else np.zeros(g.n_cb, np.int64)
+    cb_id = np.arange(g.n_cb, dtype=np.int64)
+    if g.grouped:  # varlen groups: drawn span by span, each span block's pairs on its group's device and stage
+        g, cb_id = ungroup(g)
+        cb_device, stage = cb_device[cb_id], stage[cb_id]
     tb_bin = token_bins(g, max_bins)
     nb = int(tb_bin[-1]) + 1 if len(tb_bin) else 0
     bin_tb0 = np.searchsorted(tb_bin, np.arange(nb + 1)).astype(np.int64)
     edges = np.concatenate([g.tb_start[bin_tb0[:-1]], [p.tokens]]).astype(np.int64)
     cell = tb_bin[g.cb_q] * nb + tb_bin[g.cb_k]
     pairs = g.cb_pairs.astype(np.int64)
-    stage = ir.schedule.cb_stage.astype(np.int64) if ir.schedule is not None else np.zeros(g.n_cb, np.int64)
-    cd_cell, cd_device, cd_pairs = _cell_device_pairs(cell, pl.cb_device.astype(np.int64), pairs, ir.devices)
-    c = _cell_totals(cell, pairs, stage)
+    cd_cell, cd_device, cd_pairs = _cell_device_pairs(cell, cb_device.astype(np.int64), pairs, ir.devices)
+    c = _cell_totals(cell, pairs, stage.astype(np.int64), cb_id)
     top_dev, top_pairs, ndev = _dominant_device(cd_cell, cd_device, cd_pairs)
     q, k = (c["cell"] // nb, c["cell"] % nb) if nb else (c["cell"], c["cell"])
     area = (edges[q + 1] - edges[q]).astype(float) * (edges[k + 1] - edges[k])

@@ -95,7 +95,8 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
                        if p.head_class is not None and p.class_ptr is not None else {})},  # absent: one mask
         "devices": ir.devices, "nodes": ir.nodes, "memory_cap": ir.memory_cap,
         "graph": {**{f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
-                  **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {})},  # absent: 1 (files of before stay byte-equal)
+                  **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {}),  # absent: 1 (files of before stay byte-equal)
+                  **({f: _arr(getattr(g, f)) for f in schema.SPAN_FIELDS} if g.grouped else {})},  # varlen groups
         "placement": {"home": _arr(pl.home), "cb_device": _arr(pl.cb_device)},
         "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap,
                      **({"collective": True} if s.collective else {})},  # absent: False (older files stay byte-equal)

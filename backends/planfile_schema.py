@@ -43,6 +43,7 @@ from .cost import PROFILES
 BIG = 1 << 62  # bound on every stored integer: numpy arithmetic on checked values never overflows
 GRAPH_FIELDS = ("tb_start", "tb_end", "hg_start", "hg_end", "tile_q", "tile_k", "tile_ptr", "pieces",
                 "piece_src", "tile_pairs", "cb_tile", "cb_hg")
+SPAN_FIELDS = ("tb_ptr", "span_start", "span_end")  # varlen groups only (ir/groups.py)
 BODY_KEYS = frozenset({"problem", "devices", "nodes", "memory_cap", "graph", "placement", "schedule", "program",
                        "meta"})
 LEGACY_KEYS = frozenset({"measured"})  # written by older versions (compile wall time); ignored
@@ -233,6 +234,12 @@ def _graph_blocks(gb, p: Problem, rep: int) -> dict:
         fail("graph has no token blocks or no head groups")
     for f, hi in (("tb_start", T), ("tb_end", T), ("hg_start", kv), ("hg_end", kv)):
         in_range(a[f], 0, hi, f"graph.{f}")
+    if isinstance(gb, dict) and any(f in gb for f in SPAN_FIELDS):  # varlen groups: the spans of every block
+        a["span_start"] = array(gb, "span_start", "graph", max_len=T)
+        a["span_end"] = array(gb, "span_end", "graph", length=len(a["span_start"]))
+        a["tb_ptr"] = array(gb, "tb_ptr", "graph", length=len(a["tb_start"]) + 1)
+        for f, hi in (("span_start", T), ("span_end", T), ("tb_ptr", len(a["span_start"]))):
+            in_range(a[f], 0, hi, f"graph.{f}")
     return a
 
 

@@ -3,7 +3,12 @@
 * token blocks ``tb``: contiguous intervals ``[tb_start, tb_end)`` partitioning
   the packed axis; the tile pass cuts at sample boundaries and every ``block``
   tokens from each sample start (no padding: a short last block is fine);
-  placement passes may add cuts.
+  placement passes may add cuts. *Varlen groups* (``tb_ptr`` set, made by
+  :mod:`attnplan.ir.groups`): a token block is a list of spans
+  ``[span_start, span_end)`` (CSR ``tb_ptr``, each block's spans in position
+  order, its rows their concatenation), the spans partitioning the packed
+  axis — per-document sharding's chunk ``c`` of many documents as one block;
+  ``tb_start``/``tb_end`` are then each block's first start and last end.
 * head groups ``hg``: kv-head ranges ``[hg_start, hg_end)``; a group's query
   heads are ``[hg_start * group, hg_end * group)``. With ``kv_rep = r > 1``
   (KV-head replication, as yunchang's Ulysses does beyond the kv heads) the
@@ -35,8 +40,14 @@ import numpy as np
 from ..errors import PlanError
 from .arrays import unique
 from .limits import MAX_TILE_PIECES
-from .mask import K0, K1, Q0, Q1, piece_counts, tighten
+from .mask import HI, INF, K0, K1, LO, Q0, Q1, piece_counts, tighten
 from .problem import Problem
+
+
+def _ramp(n: np.ndarray) -> np.ndarray:
+    """``0 .. n[i]-1`` for every ``i``, concatenated."""
+    n = np.asarray(n, np.int64)
+    return np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
 
 
 def _expand(first: np.ndarray, last: np.ndarray, what: str = "rows"):
@@ -68,6 +79,9 @@ class BlockGraph:
     cb_tile: np.ndarray
     cb_hg: np.ndarray
     kv_rep: int = 1  # copies of every kv head (head groups count kv_heads * kv_rep virtual kv heads)
+    tb_ptr: np.ndarray | None = None      # varlen groups: block b's spans are tb_ptr[b]:tb_ptr[b+1]
+    span_start: np.ndarray | None = None  # varlen groups: the spans, block by block
+    span_end: np.ndarray | None = None
 
     def __post_init__(self):
         for f in self.__dataclass_fields__:
@@ -94,8 +108,66 @@ class BlockGraph:
 
     # derived columns -----------------------------------------------------------
     @property
+    def grouped(self) -> bool:
+        """Token blocks are varlen groups of spans (see the module doc)."""
+        return self.tb_ptr is not None
+
+    @property
     def tb_len(self) -> np.ndarray:
-        return self.tb_end - self.tb_start
+        """Rows of each token block."""
+        if self.tb_ptr is None:
+            return self.tb_end - self.tb_start
+        return np.add.reduceat(self.span_end - self.span_start, self.tb_ptr[:-1]) if self.n_tb else self.tb_start[:0]
+
+    def spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start, end, block) of every span, block by block (one span per
+        block without varlen groups): the rows of block ``b`` are its spans in order."""
+        if self.tb_ptr is None:
+            return self.tb_start, self.tb_end, np.arange(self.n_tb, dtype=np.int64)
+        return self.span_start, self.span_end, np.repeat(np.arange(self.n_tb, dtype=np.int64), np.diff(self.tb_ptr))
+
+    @property
+    def cuts(self) -> np.ndarray:
+        """Every span start, increasing: the contiguous partition a strategy re-tiles from."""
+        return self.tb_start if self.tb_ptr is None else np.sort(self.span_start)
+
+    def block_rows(self, tbs: np.ndarray) -> np.ndarray:
+        """Global token index of every row of the blocks ``tbs``, block after block."""
+        ss, se, _ = self.spans()
+        tbs = np.asarray(tbs, np.int64)
+        if self.tb_ptr is None:
+            first, last = tbs, tbs + 1
+        else:
+            first, last = self.tb_ptr[tbs], self.tb_ptr[tbs + 1]
+        span = np.repeat(first, last - first) + _ramp(last - first)
+        n = se[span] - ss[span]
+        return (np.repeat(ss[span], n) + _ramp(n)).astype(np.int64)
+
+    def local_pieces(self, tile: int) -> tuple[np.ndarray, int, int]:
+        """(pieces, qs, ks) for a kernel: the tile's pieces in coordinates
+        where its q block's rows start at ``qs`` and its kv block's at ``ks``
+        — global ones (the blocks' starts) without varlen groups; with them,
+        each piece moved to its block's local rows (``qs = ks = 0``)."""
+        P = self.tile_pieces(tile)
+        qb, kb = int(self.tile_q[tile]), int(self.tile_k[tile])
+        if self.tb_ptr is None:
+            return P, int(self.tb_start[qb]), int(self.tb_start[kb])
+        dq, dk = self._span_shift(qb, P[:, Q0]), self._span_shift(kb, P[:, K0])
+        out = P.copy()
+        out[:, [Q0, Q1]] -= dq[:, None]
+        out[:, [K0, K1]] -= dk[:, None]
+        for c in (LO, HI):  # lo <= k - q <= hi, both moved: the band moves by dq - dk (unbounded sides stay)
+            bounded = np.abs(out[:, c]) < INF
+            out[bounded, c] += (dq - dk)[bounded]
+        return out, 0, 0
+
+    def _span_shift(self, tb: int, pos: np.ndarray) -> np.ndarray:
+        """Global minus local row of positions ``pos`` inside block ``tb``'s spans."""
+        a, b = int(self.tb_ptr[tb]), int(self.tb_ptr[tb + 1])
+        ss, se = self.span_start[a:b], self.span_end[a:b]
+        local0 = np.cumsum(se - ss) - (se - ss)
+        i = np.searchsorted(ss, pos, "right") - 1
+        return ss[i] - local0[i]
 
     @property
     def kv_virtual(self) -> int:
@@ -146,8 +218,14 @@ class BlockGraph:
     def to_text(self, limit: int = 40) -> str:
         lines = [(f"blockgraph token_blocks={self.n_tb} head_groups={self.n_hg} tiles={self.n_tile} "
                   f"compute_blocks={self.n_cb} pieces={len(self.pieces)}")]
+        ss, se, _ = self.spans()
         for t in range(min(self.n_tb, limit)):
-            lines.append(f"  tb{t} [{self.tb_start[t]}, {self.tb_end[t]})")
+            if self.tb_ptr is None:
+                lines.append(f"  tb{t} [{self.tb_start[t]}, {self.tb_end[t]})")
+            else:
+                a, b = int(self.tb_ptr[t]), int(self.tb_ptr[t + 1])
+                shown = " ".join(f"[{ss[i]}, {se[i]})" for i in range(a, min(b, a + 4)))
+                lines.append(f"  tb{t} {b - a} spans {shown}{' ...' if b - a > 4 else ''}")
         for c in range(min(self.n_cb, limit)):
             t = self.cb_tile[c]
             lines.append(f"  c{c} = tile{t}(q=tb{self.tile_q[t]}, kv=tb{self.tile_k[t]}) hg{self.cb_hg[c]} "

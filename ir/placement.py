@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import PlanError
 from .graph import BlockGraph, build_graph
+from .groups import group_graph, group_home, varlen_groups
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only (module.py imports this file)
     from .module import PlanIR
@@ -73,6 +74,17 @@ def segment_home(tb_start: np.ndarray, starts: np.ndarray, devices: np.ndarray) 
     return np.asarray(devices, np.int64)[np.searchsorted(starts, tb_start, "right") - 1]
 
 
+def _grouped(g: BlockGraph, home: np.ndarray, starts: np.ndarray, key: np.ndarray, limit: int):
+    """``g`` and ``home`` with the whole-segment blocks packed into varlen groups (see place_segments)."""
+    if key.shape != starts.shape:
+        raise PlanError(f"placement: {key.shape} group keys for {starts.shape} segments")
+    seg = np.searchsorted(starts, g.tb_start, "right") - 1
+    seg_len = np.diff(np.append(starts, g.problem.tokens))
+    tb_key = np.where(g.tb_len == seg_len[seg], key[seg], -1)
+    group = varlen_groups(g.tb_len, home, tb_key, limit)
+    return group_graph(g, group), group_home(home, group)
+
+
 def q_home(graph: BlockGraph, home: np.ndarray) -> np.ndarray:
     """Compute where Q lives: the home of every compute block's Q block."""
     return home[graph.cb_q]
@@ -95,7 +107,8 @@ def _check_segments(starts: np.ndarray, devices: np.ndarray, tokens: int, n: int
 
 def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups: int | None = None,
                    kv_rep: int | None = None,
-                   compute: Callable[[BlockGraph, np.ndarray], np.ndarray] | None = None) -> PlanIR:
+                   compute: Callable[[BlockGraph, np.ndarray], np.ndarray] | None = None,
+                   group_key=None, group_tokens: int = 0) -> PlanIR:
     """The placement tail of a cut-based strategy.
 
     ``starts`` (sorted, the first 0) cut the packed axis into segments;
@@ -109,13 +122,19 @@ def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups:
     3. place every compute block: ``compute(graph, home)``, by default where
        its Q lives (:func:`q_home`);
     4. return ``ir`` with the new graph and placement; the schedule and the
-       program are cleared (:meth:`PlanIR.with_levels`)."""
+       program are cleared (:meth:`PlanIR.with_levels`).
+
+    ``group_key`` (one per segment) and ``group_tokens > 0``: after step 2,
+    the token blocks that are a whole segment with a key ``>= 0`` are packed
+    into varlen groups of at most ``group_tokens`` tokens per (device, key)
+    (:mod:`attnplan.ir.groups`); a strategy gives the same key only to
+    segments of different documents (per_doc: the chunk's column)."""
     if ir.graph is None:
         raise PlanError("placement: no block graph to re-tile; run the tile pass first")
     starts = np.asarray(starts, np.int64)
     devices = np.asarray(devices, np.int64)
     _check_segments(starts, devices, ir.problem.tokens, ir.devices)
-    cuts = [ir.graph.tb_start, starts]
+    cuts = [ir.graph.cuts, starts]
     if extra_cuts is not None:
         cuts.append(np.asarray(extra_cuts, np.int64))
     old = ir.graph
@@ -123,6 +142,8 @@ def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups:
     g = build_graph(ir.problem, np.concatenate(cuts), old.n_hg if head_groups is None else head_groups,
                     old.kv_rep if kv_rep is None else kv_rep, hg_starts=old.hg_start if keep else None)
     home = segment_home(g.tb_start, starts, devices)
+    if group_key is not None and group_tokens > 0:
+        g, home = _grouped(g, home, starts, np.asarray(group_key, np.int64), group_tokens)
     cb_device = np.array((compute or q_home)(g, home), np.int64)  # a fresh array the Placement owns
     if cb_device.shape != (g.n_cb,):
         raise PlanError(f"placement: {cb_device.shape} compute devices for {g.n_cb} compute blocks")

@@ -110,12 +110,39 @@ def _check_graph_shapes(g: BlockGraph) -> None:
                         ("pieces", (None, 6)), ("piece_src", (len(g.pieces),)), ("cb_tile", (None,)),
                         ("cb_hg", (len(g.cb_tile),))):
         _shape(getattr(g, name), shape, f"graph.{name}", 2)
+    spans = (g.tb_ptr, g.span_start, g.span_end)
+    if any(x is not None for x in spans):
+        if any(x is None for x in spans):
+            _fail(2, "varlen groups need graph.tb_ptr, span_start and span_end together")
+        _shape(g.tb_ptr, (n_tb + 1,), "graph.tb_ptr", 2)
+        _shape(g.span_start, (None,), "graph.span_start", 2)
+        _shape(g.span_end, (len(g.span_start),), "graph.span_end", 2)
+
+
+def _check_spans(g: BlockGraph) -> bool:
+    """Varlen groups: the spans partition [0, T), each block's spans are
+    non-empty, in position order, and ``tb_start``/``tb_end`` are its first
+    start and last end. False when some check fails."""
+    ptr, ss, se, T = g.tb_ptr, g.span_start, g.span_end, g.problem.tokens
+    if ptr[0] != 0 or ptr[-1] != len(ss) or (np.diff(ptr) <= 0).any() or (se <= ss).any():
+        return False
+    order = np.argsort(ss, kind="stable")
+    if ss[order[0]] != 0 or se[order[-1]] != T or not np.array_equal(ss[order[1:]], se[order[:-1]]):
+        return False
+    owner = np.repeat(np.arange(g.n_tb), np.diff(ptr))
+    inner = owner[1:] == owner[:-1]
+    if (inner & (ss[1:] <= ss[:-1])).any():
+        return False
+    return np.array_equal(g.tb_start, ss[ptr[:-1]]) and np.array_equal(g.tb_end, se[ptr[1:] - 1])
 
 
 def _check_blocks(g: BlockGraph) -> None:
     """Token blocks partition [0, T); head groups partition the kv heads."""
     p = g.problem
-    if not g.n_tb or g.tb_start[0] != 0 or g.tb_end[-1] != p.tokens \
+    if g.grouped:
+        if not g.n_tb or not _check_spans(g):
+            _fail(2, "the spans of the varlen groups do not partition [0, T) (or a block's spans are out of order)")
+    elif not g.n_tb or g.tb_start[0] != 0 or g.tb_end[-1] != p.tokens \
             or not np.array_equal(g.tb_start[1:], g.tb_end[:-1]) or (g.tb_len <= 0).any():
         _fail(2, "token blocks do not partition [0, T)")
     rep = g.kv_rep
@@ -159,15 +186,21 @@ def _check_tile_index(g: BlockGraph) -> None:
         _fail(2, f"tile (q block, kv block) {divmod(qk, g.n_tb)} appears twice" + (f" in mask class {c}" if c else ""))
 
 
+def _in_block(g: BlockGraph, lo: np.ndarray, hi: np.ndarray, tb: np.ndarray) -> np.ndarray:
+    """``[lo, hi)`` lies inside one span of block ``tb`` (its interval without varlen groups)."""
+    ss, se, owner = g.spans()
+    order = np.argsort(ss, kind="stable")
+    i = order[(np.searchsorted(ss[order], lo, "right") - 1).clip(0)]
+    return (lo >= ss[i]) & (hi <= se[i]) & (owner[i] == tb)
+
+
 def _check_tile_pieces(g: BlockGraph) -> None:
     """Every tile piece is canonical and lies inside its tile and its mask
     piece; a tile holds at most one piece of each mask piece; the pieces of a
     mask piece add up to its pair count (so they partition it)."""
     P, src, M = g.pieces, g.piece_src, g.problem.pieces.a
     owner = np.repeat(np.arange(g.n_tile), np.diff(g.tile_ptr))
-    qs, qe = g.tb_start[g.tile_q[owner]], g.tb_end[g.tile_q[owner]]
-    ks, ke = g.tb_start[g.tile_k[owner]], g.tb_end[g.tile_k[owner]]
-    inside = (P[:, Q0] >= qs) & (P[:, Q1] <= qe) & (P[:, K0] >= ks) & (P[:, K1] <= ke)
+    inside = _in_block(g, P[:, Q0], P[:, Q1], g.tile_q[owner]) & _in_block(g, P[:, K0], P[:, K1], g.tile_k[owner])
     sub = ((P[:, Q0] >= M[src, Q0]) & (P[:, Q1] <= M[src, Q1]) & (P[:, K0] >= M[src, K0]) & (P[:, K1] <= M[src, K1])
            & (P[:, LO] >= M[src, LO]) & (P[:, HI] <= M[src, HI]))
     bad = _first(~(inside & sub))

@@ -145,6 +145,9 @@ def run_pipeline(ir: PlanIR, passes: list[Pass], verify_each: bool = True,
         for level in p.needs:
             if getattr(ir, level) is None:
                 raise PlanError(f"pass {p.name} needs a {level}; run a pass that makes one first")
+        if type(p).strategy and ir.graph is not None and ir.graph.grouped:
+            raise PlanError(f"pass {p.name} places the token blocks of the tile pass, but this graph's are varlen "
+                            f"groups (a strategy made them): run tile again before {p.name}")
         t0 = time.perf_counter()
         ir = p.apply(ir)
         dt = time.perf_counter() - t0

@@ -13,6 +13,13 @@ document to the next. Consecutive extras land on consecutive devices, so over
 the whole batch the token counts of any two devices differ by at most one.
 Compute runs where Q lives; KV travels (``comm`` moves only what is needed).
 
+Chunk ``c`` of every document lives on one device and plays the same part
+in each (a column of the chunk table): ``varlen`` packs the chunks of a
+column into varlen groups of up to a block of tokens (:mod:`attnplan.ir.groups`),
+one token block and one compute block per group pair — what
+TransformerEngine's THD attention runs as one varlen kernel call per ring
+step — instead of a block per chunk and a tile per (document, chunk pair).
+
 The cost (WLB-LLM §3, Libra §3.3): short documents become chunks far shorter
 than the kernel's 128-row query tile, which a real kernel pays as whole
 tiles; ``stats()["kernel_work_ratio"]`` measures that waste.
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import PlanError
 from ..ir.module import PlanIR
 from ..ir.placement import place_segments
 from .base import Pass, register
@@ -47,6 +55,13 @@ def per_doc_chunks(seqlens: np.ndarray, devices: int) -> tuple[np.ndarray, np.nd
     return base[:, None] + extra, dev
 
 
+def group_tokens(ir: PlanIR, varlen: int) -> int:
+    """Tokens per varlen group for a ``varlen`` option: -1 the longest token
+    block of the incoming (tiled) graph — the tile pass's block size once a
+    document reaches it —, else ``varlen`` (0: no groups)."""
+    return int(ir.need_graph().tb_len.max(initial=1)) if varlen == -1 else varlen
+
+
 @register
 @dataclass(frozen=True, slots=True)
 class PerDoc(Pass):
@@ -55,15 +70,26 @@ class PerDoc(Pass):
     name = "per_doc"
     needs = ("graph",)
     strategy = True
+    varlen: int = -1  # tokens per varlen group of chunks: -1 the tile pass's block (its longest block), 0 none
 
-    def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
-        """Segment starts and their devices (what :func:`place_segments` takes)."""
+    def __post_init__(self):
+        if self.varlen < -1:
+            raise PlanError(f"per_doc: varlen must be -1 (the block size), 0 (no groups) or tokens, got {self.varlen}")
+
+    def chunks(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Segment starts, their devices and their chunk columns (0 .. 2N-1)."""
         p = ir.problem
         sizes, dev = per_doc_chunks(p.seqlens, ir.devices)
         starts = (p.offsets[:-1, None] + np.cumsum(sizes, axis=1) - sizes).ravel()
         chunk_dev = np.broadcast_to(dev, sizes.shape).ravel()
+        col = np.broadcast_to(np.arange(sizes.shape[1]), sizes.shape).ravel()
         keep = sizes.ravel() > 0  # sorted: documents in order, chunks in order
-        return starts[keep], chunk_dev[keep]
+        return starts[keep], chunk_dev[keep], col[keep]
+
+    def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
+        """Segment starts and their devices (what :func:`place_segments` takes)."""
+        return self.chunks(ir)[:2]
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        return place_segments(ir, *self.segments(ir))
+        starts, devices, col = self.chunks(ir)
+        return place_segments(ir, starts, devices, group_key=col, group_tokens=group_tokens(ir, self.varlen))

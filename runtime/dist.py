@@ -246,6 +246,9 @@ def _fingerprint_parts(ir: PlanIR):
     yield "pieces", p.pieces.a
     for name in ("tb_start", "tb_end", "hg_start", "hg_end", "tile_ptr", "pieces", "cb_tile", "cb_q", "cb_k"):
         yield "graph." + name, getattr(g, name)
+    if g.grouped:  # varlen groups: which rows each block holds
+        for name in ("tb_ptr", "span_start", "span_end"):
+            yield "graph." + name, getattr(g, name)
     yield "home", pl.home
     yield "transfers", prog.transfers
     yield "messages", prog.messages

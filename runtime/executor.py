@@ -149,10 +149,28 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
     return check_scale(softmax_scale)
 
 
+RESULTS = {FWD: ("out", "lse"), BWD: ("dq", "dk", "dv")}  # the tensors a phase writes
+
+
 def _run_all(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None) -> None:
     g, prog = plan_ir.graph, plan_ir.program
+    if g.grouped:  # varlen groups are not contiguous rows: run on block-major copies, results written back
+        rows = torch.from_numpy(g.block_rows(np.arange(g.n_tb)))
+        local = {n: t.index_select(0, rows) for n, t in tensors.items()}
+        lens = g.tb_len
+        _run_devices(plan_ir, phase, local, np.cumsum(lens) - lens, scale, dtype, timings)
+        for n in RESULTS[phase]:
+            tensors[n].index_copy_(0, rows, local[n])
+        return
+    _run_devices(plan_ir, phase, tensors, g.tb_start, scale, dtype, timings)
+
+
+def _run_devices(plan_ir, phase: int, tensors: dict, row0: np.ndarray, scale: float, dtype,
+                 timings: Timings | None) -> None:
+    """Every device's program of ``phase`` on ``tensors``, block ``tb``'s rows starting at ``row0[tb]``."""
+    g, prog = plan_ir.graph, plan_ir.program
     box = Mailbox(prog)
-    runners = [DeviceRunner(g, prog, phase, d, home_bindings(g, prog, phase, d, tensors, g.tb_start),
+    runners = [DeviceRunner(g, prog, phase, d, home_bindings(g, prog, phase, d, tensors, row0),
                             box.endpoint(d), scale, dtype, timings)
                for d in range(prog.devices)]
     cooperate(prog, phase, lambda d, i, row: runners[d].step(i, row))

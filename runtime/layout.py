@@ -35,13 +35,7 @@ def home_blocks(ir, device: int) -> np.ndarray:
 
 def local_index(ir, device: int) -> np.ndarray:
     """Global token index of each local row of ``device`` (int64)."""
-    tbs = home_blocks(ir, device)
-    g = ir.graph
-    s, n = g.tb_start[tbs], g.tb_len[tbs]
-    if not len(tbs):
-        return np.zeros(0, np.int64)
-    base = np.repeat(s - (np.cumsum(n) - n), n)
-    return (np.arange(int(n.sum()), dtype=np.int64) + base).astype(np.int64)
+    return ir.graph.block_rows(home_blocks(ir, device))
 
 
 SIDES = (None, "q", "k")

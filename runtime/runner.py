@@ -87,7 +87,7 @@ def buffer_shapes(graph, phase: int, kind: int, tb: int, hg: int, dtype: torch.d
     O = out, lse (accumulator dtype); backward Q bundle = q, out, dout, lse;
     dQ = dq; dKV = dk, dv (accumulator dtype)."""
     p = graph.problem
-    rows = int(graph.tb_end[tb] - graph.tb_start[tb])
+    rows = int(graph.tb_len[tb])
     hkv = int(graph.hg_end[hg] - graph.hg_start[hg])
     hq, d = hkv * graph.group, p.head_dim
     acc = acc_dtype(dtype)
@@ -154,12 +154,13 @@ def home_bindings(graph, program, phase: int, device: int, tensors: dict, row0) 
     t = tensors
     g = graph.group  # the tensors' kv heads are the virtual ones (see expand_kv)
     hs, he = graph.hg_start.tolist(), graph.hg_end.tolist()
+    lens = graph.tb_len
     st: dict[int, tuple] = {}
     for b, (kind, tb, hg, role) in enumerate(program.buffers[phase][device][:, [BK, BTB, BHG, BROLE]].tolist()):
         if role != HOME:
             continue
         r0 = int(row0[tb])
-        r = slice(r0, r0 + int(graph.tb_end[tb] - graph.tb_start[tb]))
+        r = slice(r0, r0 + int(lens[tb]))
         h = slice(hs[hg], he[hg])
         qh = slice(hs[hg] * g, he[hg] * g)
         if kind == B_Q:
@@ -283,8 +284,6 @@ class DeviceRunner:
         for b in np.flatnonzero(last >= 0).tolist():
             if b not in self.home:
                 self.free_after.setdefault(int(last[b]), []).append(b)
-        self.cq, self.ck = graph.cb_q, graph.cb_k
-        self.tb_start = graph.tb_start
         self.pc = 0
         self._t0: float | None = None
 
@@ -391,8 +390,8 @@ class DeviceRunner:
             c, qb, kb, ob = row[1:5]
             q = self._get(qb, i)[0]
             k, v = self._get(kb, i)
-            o, lse = kernels.attn_fwd(q, k, v, int(self.tb_start[self.cq[c]]), int(self.tb_start[self.ck[c]]),
-                                      self.g.tile_pieces(int(self.g.cb_tile[c])), self.scale)
+            pieces, qs, ks = self.g.local_pieces(int(self.g.cb_tile[c]))
+            o, lse = kernels.attn_fwd(q, k, v, qs, ks, pieces, self.scale)
             if ob in st:
                 _same_shapes(st[ob], (o, lse), f"buffer %{ob}", "the tile's output")
                 kernels.merge_into(st[ob][0], st[ob][1], o, lse)
@@ -402,9 +401,8 @@ class DeviceRunner:
             c, qb, kb, dqb, dkvb = row[1:6]
             q, out, dout, lse = self._get(qb, i)
             k, v = self._get(kb, i)
-            gq, gk, gv = kernels.attn_bwd(q, k, v, out, dout, lse, int(self.tb_start[self.cq[c]]),
-                                          int(self.tb_start[self.ck[c]]),
-                                          self.g.tile_pieces(int(self.g.cb_tile[c])), self.scale)
+            pieces, qs, ks = self.g.local_pieces(int(self.g.cb_tile[c]))
+            gq, gk, gv = kernels.attn_bwd(q, k, v, out, dout, lse, qs, ks, pieces, self.scale)
             self._add_into(dqb, (gq,))
             self._add_into(dkvb, (gk, gv))
         elif op in (MERGE, ADD):

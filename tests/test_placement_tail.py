@@ -41,7 +41,10 @@ def full_ir() -> PlanIR:
 
 def token_device(ir: PlanIR) -> np.ndarray:
     """The home device of every token, from the placement's token blocks."""
-    return np.repeat(ir.placement.home, ir.graph.tb_len)
+    g = ir.graph
+    out = np.empty(g.problem.tokens, np.int64)
+    out[g.block_rows(np.arange(g.n_tb))] = np.repeat(ir.placement.home, g.tb_len)  # varlen groups: rows by span
+    return out
 
 
 # PlanIR.with_levels / replace ----------------------------------------------------------------------

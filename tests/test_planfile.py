@@ -71,6 +71,9 @@ def test_round_trip(plan, tmp_path):
             assert back.ir.graph.kv_rep == plan.ir.graph.kv_rep
         elif f != "problem":
             a, b = getattr(plan.ir.graph, f), getattr(back.ir.graph, f)
+            if a is None:  # the span fields of varlen groups, absent from this graph
+                assert b is None, f
+                continue
             assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b), f
     assert np.array_equal(plan.ir.placement.home, back.ir.placement.home)
     assert np.array_equal(plan.ir.placement.cb_device, back.ir.placement.cb_device)

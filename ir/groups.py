@@ -1,0 +1,126 @@
+"""Varlen groups: token blocks made of many spans (issue 9, item 1).
+
+Per-document sharding cuts every document into 2N chunks; as contiguous
+token blocks that is a block per (document, chunk) and a tile per
+(document, q chunk, kv chunk). A *varlen group* is one token block made of
+the chunks of many documents that live on one device and play the same part
+(per_doc: chunk ``c`` of every document): its tiles hold the pieces of all
+of those documents — what one varlen kernel call (``cu_seqlens``) computes
+as one compute block — and it moves as one block. The mask pieces stay
+exactly those of the contiguous tiling (each piece still rounded to the
+kernel tile on its own, backends/cost.py); compute blocks, transfers and
+buffers become per group.
+
+:func:`varlen_groups` packs blocks into groups; :func:`group_graph` builds the
+grouped :class:`~attnplan.ir.graph.BlockGraph` from a contiguous one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import PlanError
+from .graph import BlockGraph, _compute_blocks, build_graph
+from .mask import piece_counts
+
+
+def varlen_groups(tb_len: np.ndarray, home: np.ndarray, key: np.ndarray, limit: int) -> np.ndarray:
+    """A group id for every token block: blocks with the same ``home`` and
+    the same ``key >= 0`` are packed in position order, greedily, into groups
+    of at most ``limit`` tokens (a block longer than ``limit`` alone); a block
+    with ``key < 0`` is a group of its own. Ids are numbered by each group's
+    first block."""
+    n = len(tb_len)
+    grp = np.arange(n, dtype=np.int64)
+    cand = np.flatnonzero(np.asarray(key) >= 0)
+    if len(cand):
+        order = cand[np.lexsort((cand, key[cand], home[cand]))]
+        same = np.zeros(len(order), bool)
+        same[1:] = (home[order[1:]] == home[order[:-1]]) & (key[order[1:]] == key[order[:-1]])
+        lead, fill = -1, 0
+        for i, (tb, cont, size) in enumerate(zip(order.tolist(), same.tolist(), tb_len[order].tolist())):
+            if cont and fill + size <= limit:
+                fill += size
+            else:
+                lead, fill = tb, size
+            grp[tb] = lead
+    first = np.full(n, n, np.int64)
+    np.minimum.at(first, grp, np.arange(n))
+    used = np.flatnonzero(first < n)
+    renum = np.empty(n, np.int64)
+    renum[used[np.argsort(first[used], kind="stable")]] = np.arange(len(used))
+    return renum[grp]
+
+
+def group_graph(g: BlockGraph, group: np.ndarray) -> BlockGraph:
+    """The graph whose token block ``j`` is the blocks of ``g`` with
+    ``group == j`` (ids ``0..G-1``; adjacent members merged into one span),
+    its tiles the (mask class, q group, kv group) unions of ``g``'s tiles
+    with the same pieces, its compute blocks every tile with every head group
+    of its class. A mask piece may meet only one block of each group (true
+    when a group holds at most one chunk of a document): else PlanError."""
+    if g.grouped:
+        raise PlanError("varlen groups: the graph's token blocks are already grouped")
+    group = np.asarray(group, np.int64)
+    n = int(group.max()) + 1 if len(group) else 0
+    order = np.lexsort((np.arange(g.n_tb), group))
+    gs, tb = group[order], order
+    new_span = np.ones(len(order), bool)
+    new_span[1:] = (gs[1:] != gs[:-1]) | (tb[1:] != tb[:-1] + 1)
+    first = np.flatnonzero(new_span)
+    last = np.append(first[1:], len(order)) - 1
+    span_start, span_end, span_group = g.tb_start[tb[first]], g.tb_end[tb[last]], gs[first]
+    tb_ptr = np.searchsorted(span_group, np.arange(n + 1)).astype(np.int64)
+    owner = np.repeat(np.arange(g.n_tile), np.diff(g.tile_ptr))
+    cls = g.tile_class[owner]
+    key = (cls * n + group[g.tile_q[owner]]) * n + group[g.tile_k[owner]]
+    porder = np.lexsort((g.piece_src, key))
+    key, src = key[porder], g.piece_src[porder]
+    dup = np.flatnonzero((key[1:] == key[:-1]) & (src[1:] == src[:-1]))
+    if len(dup):
+        raise PlanError(f"varlen groups: mask piece {int(src[dup[0]])} meets two blocks of one group "
+                        f"(a group may hold one chunk of a document)")
+    bound = np.flatnonzero(np.diff(key)) + 1
+    tile_ptr = np.concatenate([[0], bound, [len(key)]] if len(key) else [[0]]).astype(np.int64)
+    tile_key = key[tile_ptr[:-1]]
+    counts = piece_counts(g.pieces[porder])
+    tile_pairs = np.add.reduceat(counts, tile_ptr[:-1]) if len(counts) else counts
+    cb_tile, cb_hg = _compute_blocks(tile_key // (n * n), g.hg_class)
+    hull_start = span_start[tb_ptr[:-1]]
+    hull_end = span_end[tb_ptr[1:] - 1]
+    return BlockGraph(
+        problem=g.problem, tb_start=hull_start, tb_end=hull_end, hg_start=g.hg_start, hg_end=g.hg_end,
+        tile_q=(tile_key // n) % n, tile_k=tile_key % n, tile_ptr=tile_ptr,
+        pieces=np.ascontiguousarray(g.pieces[porder]), piece_src=src, tile_pairs=tile_pairs.astype(np.int64),
+        cb_tile=cb_tile, cb_hg=cb_hg, kv_rep=g.kv_rep, tb_ptr=tb_ptr,
+        span_start=span_start.astype(np.int64), span_end=span_end.astype(np.int64))
+
+
+def group_home(home: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """The home of every group: that of its members (PlanError if they differ)."""
+    n = int(group.max()) + 1 if len(group) else 0
+    out = np.full(n, -1, np.int64)
+    out[group] = home
+    if not np.array_equal(out[group], home):
+        raise PlanError("varlen groups: a group's blocks are homed on different devices")
+    return out
+
+
+def ungroup(g: BlockGraph) -> tuple[BlockGraph, np.ndarray]:
+    """For a grouped graph: the contiguous graph of its spans (one token block
+    per span, same head groups) and, for each of that graph's compute blocks,
+    the compute block of ``g`` that holds its pairs — what a picture of the
+    plan draws position by position."""
+    ss, _, owner = g.spans()
+    order = np.argsort(ss, kind="stable")
+    fine = build_graph(g.problem, ss[order], g.n_hg, g.kv_rep, hg_starts=g.hg_start)
+    block = owner[order]  # the group of each fine block
+    n = g.n_tb
+    key = (g.tile_class * n + g.tile_q) * n + g.tile_k
+    fine_key = (fine.tile_class * n + block[fine.tile_q]) * n + block[fine.tile_k]
+    korder = np.argsort(key, kind="stable")
+    tile = korder[np.searchsorted(key[korder], fine_key)]
+    cb_key = g.cb_tile * g.n_hg + g.cb_hg
+    corder = np.argsort(cb_key, kind="stable")
+    cb = corder[np.searchsorted(cb_key[corder], tile[fine.cb_tile] * g.n_hg + fine.cb_hg)]
+    return fine, cb.astype(np.int64)
