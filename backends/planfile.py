@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import AttnplanError, PlanFileError
 from ..ir import limits as L
+from ..ir.groups import tiles_derived
 from ..ir.module import PlanIR
 from ..ir.verify import verify
 from . import planfile_schema as schema
@@ -81,7 +82,8 @@ def file_meta(meta: dict) -> dict:
         raise PlanFileError(f"cannot write a plan file: {e}") from None
 
 
-def to_body(ir: PlanIR, meta: dict) -> dict:
+def to_body(ir: PlanIR, meta: dict, derive: bool = True) -> dict:
+    """The plan file's body; ``derive=False`` writes the tiles even where the reader could rebuild them."""
     p, g, pl, s, prog = ir.problem, ir.graph, ir.placement, ir.schedule, ir.program
     if g is None or pl is None or s is None or prog is None:
         raise PlanFileError("cannot write a plan file: the IR has no program yet (the pipeline must end in 'emit')")
@@ -94,9 +96,7 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
                     **({"head_class": _arr(p.head_class), "class_ptr": _arr(p.class_ptr)}
                        if p.head_class is not None and p.class_ptr is not None else {})},  # absent: one mask
         "devices": ir.devices, "nodes": ir.nodes, "memory_cap": ir.memory_cap,
-        "graph": {**{f: _arr(getattr(g, f)) for f in schema.GRAPH_FIELDS},
-                  **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {}),  # absent: 1 (files of before stay byte-equal)
-                  **({f: _arr(getattr(g, f)) for f in schema.SPAN_FIELDS} if g.grouped else {})},  # varlen groups
+        "graph": _graph_body(g, derive),
         "placement": {"home": _arr(pl.home), "cb_device": _arr(pl.cb_device)},
         "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap,
                      **({"collective": True} if s.collective else {})},  # absent: False (older files stay byte-equal)
@@ -109,14 +109,27 @@ def to_body(ir: PlanIR, meta: dict) -> dict:
     }
 
 
-def canonical_bytes(ir: PlanIR, meta: dict) -> bytes:
+def _graph_body(g, derive: bool = True) -> dict:
+    """The graph's token blocks and head groups; its tiles, pieces and
+    compute blocks only where they are not exactly what the tile pass makes
+    from those blocks (``"tiles": "derived"``: the reader rebuilds them,
+    :func:`attnplan.ir.groups.derive_tiles`) — most of a plan's bytes."""
+    derived = derive and tiles_derived(g)
+    fields = schema.BLOCK_FIELDS if derived else schema.GRAPH_FIELDS
+    return {**{f: _arr(getattr(g, f)) for f in fields},
+            **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {}),  # absent: 1
+            **({f: _arr(getattr(g, f)) for f in schema.SPAN_FIELDS} if g.grouped else {}),  # varlen groups
+            **({"tiles": "derived"} if derived else {})}
+
+
+def canonical_bytes(ir: PlanIR, meta: dict, derive: bool = True) -> bytes:
     """The plan file's body before compression: msgpack of :func:`to_body`."""
-    return msgpack.packb(to_body(ir, meta), use_bin_type=True)
+    return msgpack.packb(to_body(ir, meta, derive), use_bin_type=True)
 
 
-def pack(ir: PlanIR, meta: dict) -> bytes:
+def pack(ir: PlanIR, meta: dict, derive: bool = True) -> bytes:
     """The plan file's bytes: header and compressed :func:`canonical_bytes`."""
-    raw = zlib.compress(canonical_bytes(ir, meta), _ZLIB_LEVEL)
+    raw = zlib.compress(canonical_bytes(ir, meta, derive), _ZLIB_LEVEL)
     return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
 
 

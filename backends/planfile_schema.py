@@ -26,9 +26,11 @@ from typing import NoReturn
 
 import numpy as np
 
-from ..errors import BatchError, PlanError, PlanFileError
+from ..errors import BatchError, PlanError, PlanFileError, VerifyError
 from ..ir import limits as L
 from ..ir.graph import BlockGraph
+from ..ir.groups import derive_tiles
+from ..ir.verify import check_blocks
 from ..ir.mask import Pieces
 from ..ir.module import PlanIR
 from ..ir.placement import Placement
@@ -43,6 +45,7 @@ from .cost import PROFILES
 BIG = 1 << 62  # bound on every stored integer: numpy arithmetic on checked values never overflows
 GRAPH_FIELDS = ("tb_start", "tb_end", "hg_start", "hg_end", "tile_q", "tile_k", "tile_ptr", "pieces",
                 "piece_src", "tile_pairs", "cb_tile", "cb_hg")
+BLOCK_FIELDS = ("tb_start", "tb_end", "hg_start", "hg_end")  # with "tiles": "derived", all the graph stores
 SPAN_FIELDS = ("tb_ptr", "span_start", "span_end")  # varlen groups only (ir/groups.py)
 BODY_KEYS = frozenset({"problem", "devices", "nodes", "memory_cap", "graph", "placement", "schedule", "program",
                        "meta"})
@@ -269,8 +272,34 @@ def _graph_tiles(gb, p: Problem, n_tb: int, n_hg: int) -> dict:
 def graph(gb, p: Problem) -> BlockGraph:
     rep = _kv_rep(gb, p)
     blocks = _graph_blocks(gb, p, rep)
+    tiles_mode = gb.get("tiles") if isinstance(gb, dict) else None
+    if tiles_mode is not None:
+        if tiles_mode != "derived":
+            fail(f"graph.tiles must be \"derived\" or absent, got {_kind(tiles_mode)}")
+        return _derived(p, blocks, rep)
     tiles = _graph_tiles(gb, p, len(blocks["tb_start"]), len(blocks["hg_start"]))
     return BlockGraph(problem=p, **blocks, **tiles, kv_rep=rep)
+
+
+def _derived(p: Problem, blocks: dict, rep: int) -> BlockGraph:
+    """The tiles the tile pass makes from the stored blocks (bounded by its
+    own limits); the stored block arrays must be exactly the rebuilt graph's."""
+    empty = np.zeros(0, np.int64)
+    shell = BlockGraph(problem=p, **blocks, tile_q=empty, tile_k=empty, tile_ptr=np.zeros(1, np.int64),
+                       pieces=np.zeros((0, 6), np.int64), piece_src=empty, tile_pairs=empty, cb_tile=empty,
+                       cb_hg=empty, kv_rep=rep)
+    try:
+        check_blocks(shell)  # the blocks partition the tokens and the heads before anything is built from them
+    except VerifyError as e:
+        fail(f"graph: {e}")
+    try:
+        g = derive_tiles(p, blocks["tb_start"], blocks["hg_start"], rep, blocks.get("tb_ptr"), blocks.get("span_start"))
+    except PlanError as e:
+        fail(f"graph: its tiles cannot be rebuilt from its blocks: {e}")
+    for f, a in blocks.items():
+        if not np.array_equal(getattr(g, f), a):
+            fail(f"graph.{f} is not what its blocks make (the tiles are derived from them)")
+    return g
 
 
 def devices_nodes(body) -> tuple[int, int]:

@@ -112,24 +112,33 @@ class BlockGraph:
         """Token blocks are varlen groups of spans (see the module doc)."""
         return self.tb_ptr is not None
 
+    def _spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tb_ptr, span_start, span_end) of a grouped graph."""
+        ptr, ss, se = self.tb_ptr, self.span_start, self.span_end
+        if ptr is None or ss is None or se is None:
+            raise PlanError("varlen groups need graph.tb_ptr, span_start and span_end together")
+        return ptr, ss, se
+
     @property
     def tb_len(self) -> np.ndarray:
         """Rows of each token block."""
         if self.tb_ptr is None:
             return self.tb_end - self.tb_start
-        return np.add.reduceat(self.span_end - self.span_start, self.tb_ptr[:-1]) if self.n_tb else self.tb_start[:0]
+        ptr, ss, se = self._spans()
+        return np.add.reduceat(se - ss, ptr[:-1]) if self.n_tb else self.tb_start[:0]
 
     def spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(start, end, block) of every span, block by block (one span per
         block without varlen groups): the rows of block ``b`` are its spans in order."""
         if self.tb_ptr is None:
             return self.tb_start, self.tb_end, np.arange(self.n_tb, dtype=np.int64)
-        return self.span_start, self.span_end, np.repeat(np.arange(self.n_tb, dtype=np.int64), np.diff(self.tb_ptr))
+        ptr, ss, se = self._spans()
+        return ss, se, np.repeat(np.arange(self.n_tb, dtype=np.int64), np.diff(ptr))
 
     @property
     def cuts(self) -> np.ndarray:
         """Every span start, increasing: the contiguous partition a strategy re-tiles from."""
-        return self.tb_start if self.tb_ptr is None else np.sort(self.span_start)
+        return self.tb_start if self.tb_ptr is None else np.sort(self._spans()[1])
 
     def block_rows(self, tbs: np.ndarray) -> np.ndarray:
         """Global token index of every row of the blocks ``tbs``, block after block."""
@@ -163,8 +172,9 @@ class BlockGraph:
 
     def _span_shift(self, tb: int, pos: np.ndarray) -> np.ndarray:
         """Global minus local row of positions ``pos`` inside block ``tb``'s spans."""
-        a, b = int(self.tb_ptr[tb]), int(self.tb_ptr[tb + 1])
-        ss, se = self.span_start[a:b], self.span_end[a:b]
+        ptr, ss, se = self._spans()
+        a, b = int(ptr[tb]), int(ptr[tb + 1])
+        ss, se = ss[a:b], se[a:b]
         local0 = np.cumsum(se - ss) - (se - ss)
         i = np.searchsorted(ss, pos, "right") - 1
         return ss[i] - local0[i]

@@ -24,6 +24,13 @@ from .graph import BlockGraph, _compute_blocks, build_graph
 from .mask import piece_counts
 
 
+def group_limit(g: BlockGraph, varlen: int) -> int:
+    """Tokens per varlen group for a strategy's ``varlen`` option: -1 the
+    longest token block of the tiled graph ``g`` (the tile pass's block size
+    once a document reaches it), else ``varlen`` (0: no groups)."""
+    return int(g.tb_len.max(initial=1)) if varlen == -1 else varlen
+
+
 def varlen_groups(tb_len: np.ndarray, home: np.ndarray, key: np.ndarray, limit: int) -> np.ndarray:
     """A group id for every token block: blocks with the same ``home`` and
     the same ``key >= 0`` are packed in position order, greedily, into groups
@@ -38,7 +45,7 @@ def varlen_groups(tb_len: np.ndarray, home: np.ndarray, key: np.ndarray, limit: 
         same = np.zeros(len(order), bool)
         same[1:] = (home[order[1:]] == home[order[:-1]]) & (key[order[1:]] == key[order[:-1]])
         lead, fill = -1, 0
-        for i, (tb, cont, size) in enumerate(zip(order.tolist(), same.tolist(), tb_len[order].tolist())):
+        for tb, cont, size in zip(order.tolist(), same.tolist(), tb_len[order].tolist()):
             if cont and fill + size <= limit:
                 fill += size
             else:
@@ -124,3 +131,34 @@ def ungroup(g: BlockGraph) -> tuple[BlockGraph, np.ndarray]:
     corder = np.argsort(cb_key, kind="stable")
     cb = corder[np.searchsorted(cb_key[corder], tile[fine.cb_tile] * g.n_hg + fine.cb_hg)]
     return fine, cb.astype(np.int64)
+
+
+def derive_tiles(problem, tb_start: np.ndarray, hg_start: np.ndarray, kv_rep: int, tb_ptr: np.ndarray | None = None,
+                 span_start: np.ndarray | None = None) -> BlockGraph:
+    """The graph that :func:`~attnplan.ir.graph.build_graph` (and, with spans,
+    :func:`group_graph`) make from these token blocks and head groups: what a
+    plan file need not store when its tiles are exactly these
+    (:func:`tiles_derived`)."""
+    if tb_ptr is None or span_start is None:
+        return build_graph(problem, tb_start, len(hg_start), kv_rep, hg_starts=hg_start)
+    order = np.argsort(span_start, kind="stable")
+    fine = build_graph(problem, span_start[order], len(hg_start), kv_rep, hg_starts=hg_start)
+    if fine.n_tb != len(order):
+        raise PlanError("varlen groups: the spans do not partition the tokens")
+    block = np.repeat(np.arange(len(tb_ptr) - 1, dtype=np.int64), np.diff(tb_ptr))
+    return group_graph(fine, block[order])
+
+
+def tiles_derived(g: BlockGraph) -> bool:
+    """Whether :func:`derive_tiles` of ``g``'s blocks gives ``g`` exactly."""
+    try:
+        d = derive_tiles(g.problem, g.tb_start, g.hg_start, g.kv_rep, g.tb_ptr, g.span_start)
+    except PlanError:
+        return False
+    return all(_same(getattr(d, f), getattr(g, f)) for f in g.__dataclass_fields__ if f != "problem")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and np.array_equal(a, b)
+    return a == b

@@ -110,20 +110,21 @@ def _check_graph_shapes(g: BlockGraph) -> None:
                         ("pieces", (None, 6)), ("piece_src", (len(g.pieces),)), ("cb_tile", (None,)),
                         ("cb_hg", (len(g.cb_tile),))):
         _shape(getattr(g, name), shape, f"graph.{name}", 2)
-    spans = (g.tb_ptr, g.span_start, g.span_end)
-    if any(x is not None for x in spans):
-        if any(x is None for x in spans):
-            _fail(2, "varlen groups need graph.tb_ptr, span_start and span_end together")
-        _shape(g.tb_ptr, (n_tb + 1,), "graph.tb_ptr", 2)
-        _shape(g.span_start, (None,), "graph.span_start", 2)
-        _shape(g.span_end, (len(g.span_start),), "graph.span_end", 2)
+    ptr, ss, se = g.tb_ptr, g.span_start, g.span_end
+    if ptr is not None and ss is not None and se is not None:
+        _shape(ptr, (n_tb + 1,), "graph.tb_ptr", 2)
+        _shape(ss, (None,), "graph.span_start", 2)
+        _shape(se, (len(ss),), "graph.span_end", 2)
+    elif ptr is not None or ss is not None or se is not None:
+        _fail(2, "varlen groups need graph.tb_ptr, span_start and span_end together")
 
 
 def _check_spans(g: BlockGraph) -> bool:
     """Varlen groups: the spans partition [0, T), each block's spans are
     non-empty, in position order, and ``tb_start``/``tb_end`` are its first
     start and last end. False when some check fails."""
-    ptr, ss, se, T = g.tb_ptr, g.span_start, g.span_end, g.problem.tokens
+    ptr, ss, se = g._spans()
+    T = g.problem.tokens
     if ptr[0] != 0 or ptr[-1] != len(ss) or (np.diff(ptr) <= 0).any() or (se <= ss).any():
         return False
     order = np.argsort(ss, kind="stable")
@@ -134,6 +135,12 @@ def _check_spans(g: BlockGraph) -> bool:
     if (inner & (ss[1:] <= ss[:-1])).any():
         return False
     return np.array_equal(g.tb_start, ss[ptr[:-1]]) and np.array_equal(g.tb_end, se[ptr[1:] - 1])
+
+
+def check_blocks(g: BlockGraph) -> None:
+    """Invariant 2's block checks alone (a plan file's blocks before its tiles are rebuilt from them)."""
+    _check_graph_shapes(g)
+    _check_blocks(g)
 
 
 def _check_blocks(g: BlockGraph) -> None:

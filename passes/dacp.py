@@ -73,6 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PlanError
+from ..ir.groups import group_limit
 from ..ir.mask import Q0, piece_counts
 from ..ir.module import PlanIR
 from ..ir.placement import chunk_bounds, place_segments, zigzag_device
@@ -224,14 +225,23 @@ def dacp_segments(problem: Problem, c: Classification, n: int) -> tuple[np.ndarr
     segment on its device, a distributed one its 2N zigzag chunks (empty chunks
     of short documents repeat a start; the stable sort keeps the non-empty
     chunk last, which is the one :func:`~attnplan.ir.placement.segment_home` picks)."""
+    return dacp_columns(problem, c, n)[:2]
+
+
+def dacp_columns(problem: Problem, c: Classification, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`dacp_segments` and the varlen group key of each segment: a
+    distributed document's chunk ``j`` has key ``j`` (the same part in every
+    distributed document), a local document ``2N`` (short local documents of
+    one device share groups)."""
     off, local, dist = problem.offsets, c.device >= 0, c.distributed
     m = 2 * n
     lens = problem.seqlens[dist].astype(np.int64)
     chunk_starts = off[dist][:, None] + (np.arange(m, dtype=np.int64)[None, :] * lens[:, None]) // m
     starts = np.concatenate([off[:-1][local], chunk_starts.ravel()])
     devs = np.concatenate([c.device[local], np.tile(zigzag_devices(n), len(dist))])
+    keys = np.concatenate([np.full(int(local.sum()), m, np.int64), np.tile(np.arange(m, dtype=np.int64), len(dist))])
     order = np.argsort(starts, kind="stable")
-    return starts[order], devs[order]
+    return starts[order], devs[order], keys[order]
 
 
 @register
@@ -242,16 +252,22 @@ class Dacp(Pass):
     strategy = True
     bucket: int = 0     # C, tokens per device; 0 = max(ceil(slack * T / N), all-distributed need)
     slack: float = 1.1  # automatic bucket: allowed tokens per device over the even share T / N
+    varlen: int = -1    # tokens per varlen group (per_doc's option): -1 the tile pass's block, 0 none
 
     def __post_init__(self):
         if self.bucket < 0:
             raise PlanError(f"dacp: bucket must be a non-negative number of tokens, got {self.bucket}")
         if not self.slack >= 1.0:
             raise PlanError(f"dacp: slack must be >= 1.0, got {self.slack}")
+        if self.varlen < -1:
+            raise PlanError(f"dacp: varlen must be -1 (the block size), 0 (no groups) or tokens, got {self.varlen}")
 
     def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
         """Segment starts and their devices (what :func:`place_segments` takes)."""
         return dacp_segments(ir.problem, dacp_classify(ir.problem, ir.devices, self.bucket, self.slack), ir.devices)
 
     def apply(self, ir: PlanIR) -> PlanIR:
-        return place_segments(ir, *self.segments(ir))
+        c = dacp_classify(ir.problem, ir.devices, self.bucket, self.slack)
+        starts, devices, keys = dacp_columns(ir.problem, c, ir.devices)
+        limit = group_limit(ir.need_graph(), self.varlen)
+        return place_segments(ir, starts, devices, group_key=keys, group_tokens=limit)

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..ir.module import PlanIR
+from ..ir.groups import group_limit
 from ..ir.placement import place_segments
 from .base import Pass, register
 
@@ -53,13 +54,6 @@ def per_doc_chunks(seqlens: np.ndarray, devices: int) -> tuple[np.ndarray, np.nd
     slot = np.where(col < n, col, n + dev)
     extra = ((slot[None, :] - cursor[:, None]) % m) < rem[:, None]
     return base[:, None] + extra, dev
-
-
-def group_tokens(ir: PlanIR, varlen: int) -> int:
-    """Tokens per varlen group for a ``varlen`` option: -1 the longest token
-    block of the incoming (tiled) graph — the tile pass's block size once a
-    document reaches it —, else ``varlen`` (0: no groups)."""
-    return int(ir.need_graph().tb_len.max(initial=1)) if varlen == -1 else varlen
 
 
 @register
@@ -92,4 +86,5 @@ class PerDoc(Pass):
 
     def apply(self, ir: PlanIR) -> PlanIR:
         starts, devices, col = self.chunks(ir)
-        return place_segments(ir, starts, devices, group_key=col, group_tokens=group_tokens(ir, self.varlen))
+        limit = group_limit(ir.need_graph(), self.varlen)
+        return place_segments(ir, starts, devices, group_key=col, group_tokens=limit)

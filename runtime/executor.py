@@ -153,7 +153,7 @@ RESULTS = {FWD: ("out", "lse"), BWD: ("dq", "dk", "dv")}  # the tensors a phase 
 
 
 def _run_all(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None) -> None:
-    g, prog = plan_ir.graph, plan_ir.program
+    g = plan_ir.graph
     if g.grouped:  # varlen groups are not contiguous rows: run on block-major copies, results written back
         rows = torch.from_numpy(g.block_rows(np.arange(g.n_tb)))
         local = {n: t.index_select(0, rows) for n, t in tensors.items()}

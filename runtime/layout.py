@@ -35,7 +35,8 @@ def home_blocks(ir, device: int) -> np.ndarray:
 
 def local_index(ir, device: int) -> np.ndarray:
     """Global token index of each local row of ``device`` (int64)."""
-    return ir.graph.block_rows(home_blocks(ir, device))
+    tbs = home_blocks(ir, device)
+    return ir.graph.block_rows(tbs)
 
 
 SIDES = (None, "q", "k")

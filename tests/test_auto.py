@@ -147,18 +147,26 @@ def test_direct_is_not_tried_where_the_relay_forwards_nothing():
 
 
 def test_a_segment_strategy_over_the_block_limit_is_refused_before_placing():
-    """The preview's per-q-block tile counts bound the compute blocks from
-    below: a limit under that bound refuses per_doc before it builds
-    anything, and compiling per_doc alone under that limit fails too."""
+    """For segments that are not packed into varlen groups (``per_doc{varlen=0}``)
+    the preview's per-q-block tile counts bound the compute blocks from
+    below: under a limit below that bound the preview refuses before anything
+    is placed, and compiling under that limit fails too. per_doc's default
+    varlen groups are not counted so (one group covers many chunks)."""
     lens = [40] * 60
-    kw = dict(seqlens=lens, devices=8, block_size=256, **SHAPE)
-    blocks = attnplan.compile(strategy="per_doc", **kw).ir.graph.n_cb
-    limit = blocks // 2
-    m = attnplan.compile(strategy="auto", max_compute_blocks=limit, **kw).meta
-    assert "counted from its segments, before placing" in m["pruned"]["per_doc"]
-    assert "per_doc" not in m["estimates"]
+    kw = dict(seqlens=lens, devices=8, **SHAPE)
+    plain = attnplan.compile(pipeline="tile{block=256},per_doc{varlen=0},comm,emit", **kw)
+    limit = plain.ir.graph.n_cb // 2
+    tiled = run_pipeline(plain.ir.replace(graph=None, placement=None, schedule=None, program=None),
+                         parse_pipeline("tile{block=256}"))
+    prof = get_profile("h100")
+    strat = parse_pipeline("per_doc{varlen=0}")[0]
+    with pytest.raises(attnplan.PlanError, match="counted from its segments, before placing"):
+        auto.preview(strat, tiled, prof, limit)
     with pytest.raises(attnplan.PlanError, match="over the limit"):
-        attnplan.compile(strategy="per_doc", max_compute_blocks=limit, **kw)
+        attnplan.compile(pipeline="tile{block=256},per_doc{varlen=0},comm,emit", max_compute_blocks=limit, **kw)
+    grouped = parse_pipeline("per_doc")[0]
+    assert auto.preview(grouped, tiled, prof, limit) > 0  # not refused: its groups are few
+    assert attnplan.compile(strategy="per_doc", block_size=256, **kw).ir.graph.n_cb <= limit
 
 
 def test_keep_forces_more_candidates_and_changes_nothing_else():
@@ -299,11 +307,12 @@ def test_the_segment_strategies_expose_their_segments():
 @settings(max_examples=12)
 @given(lens=st.lists(st.integers(1, 2000), min_size=1, max_size=12), devices=st.sampled_from([1, 2, 4, 8]),
        mask=st.sampled_from(["causal", "full", "sliding_window(100)", "causal & k > 3", PER_HEAD, PER_HEAD_GQA]),
-       dtype=st.sampled_from(["bfloat16", "float32"]))
-def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype):
+       dtype=st.sampled_from(["bfloat16", "float32"]), profile=st.sampled_from(["h100", "cpu-local"]))
+def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype, profile):
     """The preview from the segments alone never exceeds the estimate of the
-    placement those segments make (so pruning on it keeps the exhaustive choice)."""
-    prof = get_profile("h100")
+    placement those segments make (so pruning on it keeps the exhaustive
+    choice) — varlen groups included, with fused and unfused launches."""
+    prof = get_profile(profile)
     for name in SEGMENT_STRATEGIES:
         try:
             plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, block_size=256, strategy=name,
@@ -312,19 +321,20 @@ def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype):
             continue
         head = auto._split(parse_pipeline(default_pipeline(name, 256)))[0]
         tiled = run_pipeline(plan.ir.replace(graph=None, placement=None, schedule=None, program=None), head[:1])
-        bound = auto.segment_bound(tiled, *head[1].segments(tiled), prof)
+        bound = auto.preview(head[1], tiled, prof)
         e = estimate(run_pipeline(tiled, head[1:]), prof, REGISTRY[name].default_comm)
         assert 0 < bound <= e.total_s * (1 + 1e-9), name
 
 
-def test_per_doc_of_many_short_documents_is_pruned_before_it_is_placed():
+def test_many_short_documents_under_unfused_launches_choose_as_the_exhaustive_search():
     """Hundreds of short documents on 8 devices, a launch per compute block
-    (the unfused cpu-local profile): per_doc's launches alone lose, so auto
-    never builds its tiles; the choice is still the exhaustive one."""
+    (the unfused cpu-local profile): per_doc's varlen groups launch a few
+    kernels where a block per chunk launched thousands, and auto's choice
+    is still the exhaustive one."""
     lens = [40 + (i * 37) % 200 for i in range(400)] + [6000]
-    seen = []
-    plan = attnplan.compile(seqlens=lens, devices=8, block_size=256, strategy="auto", profile="cpu-local",
-                            instruments=[lambda p, ir, dt: seen.append(p.name)], **SHAPE)
-    assert "per_doc" not in seen and "per_doc" not in plan.meta["estimates"]
-    assert plan.meta["pruned"]["per_doc"].startswith("lower bound") and "before placing" in plan.meta["pruned"]["per_doc"]
+    kw = dict(seqlens=lens, devices=8, **SHAPE)
+    grouped = attnplan.compile(strategy="per_doc", block_size=256, **kw).ir.graph.n_cb
+    plain = attnplan.compile(pipeline="tile{block=256},per_doc{varlen=0},comm,emit", **kw).ir.graph.n_cb
+    assert grouped * 20 < plain
+    plan = attnplan.compile(block_size=256, strategy="auto", profile="cpu-local", **kw)
     assert plan.meta["strategy"] == "auto:" + exhaustive_choice(lens, 8, 1, "causal", "cpu-local")

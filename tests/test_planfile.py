@@ -33,7 +33,8 @@ def plan() -> attnplan.Plan:
 
 @pytest.fixture(scope="module")
 def data(plan) -> bytes:
-    return plan.to_bytes()
+    """The file with its tiles written out (every graph field present to craft)."""
+    return pack(plan.ir, plan.meta, derive=False)
 
 
 def _body(data: bytes) -> dict:

@@ -93,7 +93,8 @@ def test_per_doc_device_i_holds_chunks_i_and_mirror(lens, n, block):
     sizes, _ = per_doc_chunks(np.array(lens), n)
     # expected device of every token: chunk c of its document -> c or 2N-1-c
     want = np.concatenate([np.repeat([c if c < n else 2 * n - 1 - c for c in range(2 * n)], row) for row in sizes])
-    got = np.repeat(pl.home, g.tb_len)
+    got = np.empty(len(want), np.int64)
+    got[g.block_rows(np.arange(g.n_tb))] = np.repeat(pl.home, g.tb_len)  # varlen groups: rows by span
     assert np.array_equal(got, want)
     assert np.array_equal(pl.cb_device, pl.home[g.cb_q])           # compute where Q lives
     t = tokens_per_device(ir)

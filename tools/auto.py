@@ -197,7 +197,7 @@ def row_tiles(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 
 def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
-                  max_blocks: int | None = None) -> float:
+                  max_blocks: int | None = None, grouped: bool = False) -> float:
     """A lower bound of :func:`estimate` for a strategy that homes segments
     ``[starts[i], starts[i+1])`` on ``devices[i]`` and computes where Q lives
     (``place_segments`` with its default compute), from the segments alone —
@@ -211,7 +211,9 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     Those counts also bound the compute blocks the placement would make:
     over ``max_blocks`` it raises the PlanError placing would raise, before
     building anything (per_doc on 4M tokens at 32 devices: 4 s to fail
-    otherwise)."""
+    otherwise). ``grouped``: the strategy packs its segments into varlen
+    groups (ir/groups.py), so its compute blocks are not counted per q block:
+    one launch per device with work, and no refusal by count."""
     g, n = tiled.need_graph(), tiled.devices
     cuts = unique(np.concatenate([g.tb_start, np.asarray(starts, np.int64), [tiled.problem.tokens]]))
     p = tiled.problem
@@ -225,7 +227,9 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     last = np.flatnonzero(np.diff(np.append(qb[order], -1)))  # each q block's largest count
     per_class_hg = g.n_hg if p.head_class is None else 1  # per-head masks: a class has at least one head group
     blocks = np.bincount(dev[qb[order][last]], weights=per_row[order][last], minlength=n) * per_class_hg
-    if max_blocks is not None and blocks.sum() > max_blocks:
+    if grouped:
+        blocks = np.minimum(blocks, 1.0)
+    elif max_blocks is not None and blocks.sum() > max_blocks:
         raise PlanError(f"the placement would make at least {int(blocks.sum()):,} compute blocks, over the limit of "
                         f"{max_blocks:,} (counted from its segments, before placing)")
     rate = DTYPE_EFFICIENCY.get(p.dtype, 1.0)
@@ -305,7 +309,8 @@ def preview(strategy_pass, tiled: PlanIR, prof, max_blocks: int | None = None) -
     if segments is None:
         return 0.0
     starts, devices = segments(tiled)
-    return segment_bound(tiled, starts, devices, prof, max_blocks)
+    grouped = getattr(strategy_pass, "varlen", 0) != 0  # per_doc and dacp pack varlen groups by default
+    return segment_bound(tiled, starts, devices, prof, max_blocks, grouped)
 
 
 def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
