@@ -223,9 +223,11 @@ def test_dacp_roll_back_constructed_case():
     assert doc_pairs(p).tolist() == [3, 21, 28]
     assert plan.stats()["per_device"]["tokens"] == [8, 7]
     g, pl = plan.ir.graph, plan.ir.placement
-    tb_doc = doc_of(p, g.tb_start)
-    assert (pl.home[tb_doc == 0] == 0).all()
-    assert set(pl.home[tb_doc == 1].tolist()) == set(pl.home[tb_doc == 2].tolist()) == {0, 1}
+    home = np.empty(p.tokens, np.int64)  # per token (varlen groups: a block's rows are its spans)
+    home[g.block_rows(np.arange(g.n_tb))] = np.repeat(pl.home, g.tb_len)
+    tok_doc = doc_of(p, np.arange(p.tokens))
+    assert (home[tok_doc == 0] == 0).all()
+    assert set(home[tok_doc == 1].tolist()) == set(home[tok_doc == 2].tolist()) == {0, 1}
     executes_exactly(plan)
 
 

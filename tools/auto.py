@@ -11,10 +11,9 @@ than the best simulated plan's whole makespan cannot win.
    with compute where Q lives (zigzag, per_doc, dacp: their pass has
    ``segments(ir)``): :func:`segment_bound` bounds their estimate from the
    segments alone, without tiles — the busiest device's query blocks (one
-   kernel launch each at least, one in all with a fused profile) and pairs. Per-document zigzag of hundreds
-   of short documents on 32 devices is the case it is for: building its
-   ~10^6 tiles is the slowest thing auto could do, and the launches alone
-   already lose.
+   kernel launch each at least, one in all with a fused profile; one per
+   device for per_doc's and dacp's varlen groups) and pairs. A strategy
+   whose lower bound already loses is never tiled.
 1. **Place**: ``tile`` (once, shared) and the strategy pass of each default
    pipeline (:func:`attnplan.api.default_pipeline`), verified as in
    ``compile``. The mask is lowered once for all of them.
