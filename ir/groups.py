@@ -21,7 +21,6 @@ import numpy as np
 
 from ..errors import PlanError
 from .graph import BlockGraph, _compute_blocks, build_graph
-from .mask import piece_counts
 
 
 def group_limit(g: BlockGraph, varlen: int) -> int:
@@ -78,9 +77,8 @@ def group_graph(g: BlockGraph, group: np.ndarray) -> BlockGraph:
     last = np.append(first[1:], len(order)) - 1
     span_start, span_end, span_group = g.tb_start[tb[first]], g.tb_end[tb[last]], gs[first]
     tb_ptr = np.searchsorted(span_group, np.arange(n + 1)).astype(np.int64)
-    owner = np.repeat(np.arange(g.n_tile), np.diff(g.tile_ptr))
-    cls = g.tile_class[owner]
-    key = (cls * n + group[g.tile_q[owner]]) * n + group[g.tile_k[owner]]
+    fine_key = (g.tile_class * n + group[g.tile_q]) * n + group[g.tile_k]  # each fine tile lies in one group tile
+    key = np.repeat(fine_key, np.diff(g.tile_ptr))
     porder = np.lexsort((g.piece_src, key))
     key, src = key[porder], g.piece_src[porder]
     dup = np.flatnonzero((key[1:] == key[:-1]) & (src[1:] == src[:-1]))
@@ -90,8 +88,8 @@ def group_graph(g: BlockGraph, group: np.ndarray) -> BlockGraph:
     bound = np.flatnonzero(np.diff(key)) + 1
     tile_ptr = np.concatenate([[0], bound, [len(key)]] if len(key) else [[0]]).astype(np.int64)
     tile_key = key[tile_ptr[:-1]]
-    counts = piece_counts(g.pieces[porder])
-    tile_pairs = np.add.reduceat(counts, tile_ptr[:-1]) if len(counts) else counts
+    tile_of = np.searchsorted(tile_key, fine_key)  # sums of the fine tiles' exact counts (< 2**53: exact)
+    tile_pairs = np.rint(np.bincount(tile_of, weights=g.tile_pairs, minlength=len(tile_key))).astype(np.int64)
     cb_tile, cb_hg = _compute_blocks(tile_key // (n * n), g.hg_class)
     hull_start = span_start[tb_ptr[:-1]]
     hull_end = span_end[tb_ptr[1:] - 1]
