@@ -304,19 +304,22 @@ def test_the_segment_strategies_expose_their_segments():
     assert {"zigzag", "per_doc", "dacp"} <= set(SEGMENT_STRATEGIES)
 
 
-@settings(max_examples=12)
+@settings(max_examples=16)
 @given(lens=st.lists(st.integers(1, 2000), min_size=1, max_size=12), devices=st.sampled_from([1, 2, 4, 8]),
        mask=st.sampled_from(["causal", "full", "sliding_window(100)", "causal & k > 3", PER_HEAD, PER_HEAD_GQA]),
-       dtype=st.sampled_from(["bfloat16", "float32"]), profile=st.sampled_from(["h100", "cpu-local"]))
-def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype, profile):
+       dtype=st.sampled_from(["bfloat16", "float32"]), profile=st.sampled_from(["h100", "cpu-local"]),
+       two_nodes=st.booleans())
+def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype, profile, two_nodes):
     """The preview from the segments alone never exceeds the estimate of the
     placement those segments make (so pruning on it keeps the exhaustive
-    choice) — varlen groups included, with fused and unfused launches."""
+    choice) — varlen groups, the KV and partial-dKV traffic terms, fused and
+    unfused launches, one node and two."""
     prof = get_profile(profile)
+    nodes = 2 if two_nodes and devices > 1 else 1
     for name in SEGMENT_STRATEGIES:
         try:
-            plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, block_size=256, strategy=name,
-                                    dtype=dtype, **SHAPE)
+            plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, nodes=nodes, block_size=256,
+                                    strategy=name, dtype=dtype, **SHAPE)
         except attnplan.PlanError:
             continue
         head = auto._split(parse_pipeline(default_pipeline(name, 256)))[0]
@@ -324,6 +327,28 @@ def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype, profile
         bound = auto.preview(head[1], tiled, prof)
         e = estimate(run_pipeline(tiled, head[1:]), prof, REGISTRY[name].default_comm)
         assert 0 < bound <= e.total_s * (1 + 1e-9), name
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_remote_keys_count_the_union_outside_each_owner(data):
+    """``_remote_keys`` (the traffic terms of the preview) against brute force over every token."""
+    T = data.draw(st.integers(2, 60))
+    cuts = np.unique([0, T] + data.draw(st.lists(st.integers(1, T - 1), max_size=6)))
+    starts, lens = cuts[:-1], np.diff(cuts)
+    n = data.draw(st.integers(1, 3))
+    home = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=len(starts), max_size=len(starts))))
+    m = data.draw(st.integers(1, 8))
+    owner = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=m, max_size=m)))
+    a = np.array(data.draw(st.lists(st.integers(0, T - 1), min_size=m, max_size=m)))
+    b = np.minimum(T, a + np.array(data.draw(st.lists(st.integers(1, 20), min_size=m, max_size=m))))
+    got = auto._remote_keys(owner, a, b, starts, lens, home, n)
+    token_home = np.repeat(home, lens)
+    for o in range(n):
+        cover = np.zeros(T, bool)
+        for x, y in zip(a[owner == o], b[owner == o]):
+            cover[x:y] = True
+        assert got[o] == int((cover & (token_home != o)).sum())
 
 
 def test_many_short_documents_under_unfused_launches_choose_as_the_exhaustive_search():

@@ -203,7 +203,9 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     no tiles: the token blocks are the tile pass's cut at the segment starts;
     each is the Q of at least :func:`row_tiles` tiles, so its device launches
     at least that many compute blocks per head group for it, and computes
-    all of its rows' pairs (unrounded: tile rounding only adds).
+    all of its rows' pairs — a piece of at most one kernel tile of rows
+    rounded up to that tile (the pieces tiling cuts from it have no more
+    rows), a longer one unrounded — and receives the KV of :func:`kv_bound`.
     Forward + backward of the busiest device: ``estimate`` takes at least
     each phase's compute maximum, and the backward is the forward ×
     ``bwd_factor`` device by device. Costs one pass over (piece, q block).
@@ -220,6 +222,10 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     dev = segment_home(cuts[:-1], np.asarray(starts, np.int64), np.asarray(devices, np.int64))
     seen = p.piece_heads()  # per-head masks: the heads that see each piece (else every head, applied below)
     counts = piece_counts(rows).astype(float) * (1.0 if seen is None else seen[src] / p.heads)
+    # a piece of r <= tile_q rows: every piece tiling makes of it has at most r rows, each rounded up to one
+    # kernel tile (backends/cost.rounded_pairs), so its work is at least pairs * tile_q / r; longer ones: pairs
+    r = (rows[:, Q1] - rows[:, Q0]).astype(float)
+    counts *= np.where(r <= prof.tile_q, prof.tile_q / r, 1.0)
     pairs = np.bincount(dev[qb], weights=counts, minlength=n)
     per_row = row_tiles(rows, cuts[:-1])
     order = np.lexsort((per_row, qb))  # by q block, its largest count last
@@ -233,7 +239,77 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
                         f"{max_blocks:,} (counted from its segments, before placing)")
     rate = DTYPE_EFFICIENCY.get(p.dtype, 1.0)
     fwd = (prof.launch_s * launches(blocks, prof) + 4.0 * p.head_dim * p.heads * pairs / prof.flops) / rate
-    return float(fwd.max()) * (1.0 + prof.bwd_factor) if n else 0.0
+    if not n:
+        return 0.0
+    recv, send_b, node = kv_bound(tiled, cuts, dev, rows, qb, prof)
+    bwd = np.maximum(np.maximum(fwd * prof.bwd_factor, recv), send_b)
+    return float(max(np.maximum(fwd, recv).max(), node) + max(bwd.max(), node))
+
+
+def kv_bound(tiled: PlanIR, cuts: np.ndarray, dev: np.ndarray, rows: np.ndarray, qb: np.ndarray, prof
+             ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Seconds of transfers a placement that computes where Q lives (the
+    token blocks ``cuts`` homed on ``dev``, the pieces ``rows`` clipped to q
+    block ``qb``) cannot avoid. A tightened piece needs every key of
+    ``[K0, K1)``, so a device receives at least the keys its pieces reach
+    that live elsewhere (in whole blocks: at least those tokens), in each
+    phase, each at no more than the faster link's bandwidth; in the backward
+    it sends each of those keys' partial dK/dV home (fp32, never relayed: at
+    the inter-node bandwidth for keys homed on another node); and the keys a
+    node's devices reach on other nodes cross into it over its devices'
+    inter-node links at least once (relays included), so some device of the
+    node spends at least a 1/devices_per_node share of that crossing. Returns
+    (per device: KV receive seconds, backward partial send seconds; the node
+    term). Zero for per-head masks and KV-head copies (not every head group
+    then needs every key)."""
+    g, n, per_node = tiled.need_graph(), tiled.devices, tiled.devices // tiled.nodes
+    p = tiled.problem
+    if p.head_class is not None or g.kv_rep != 1 or not len(rows):
+        return np.zeros(n), np.zeros(n), 0.0
+    kv_token = 2.0 * p.kv_heads * p.head_dim * p.dtype_bytes
+    dkv_token = 2.0 * p.kv_heads * p.head_dim * 4
+    starts, lens, owner = cuts[:-1], np.diff(cuts), dev[qb]
+    remote = _remote_keys(owner, rows[:, K0], rows[:, K1], starts, lens, dev, n)
+    far = _remote_keys(owner, rows[:, K0], rows[:, K1], starts, lens, dev // per_node, n, np.arange(n) // per_node)
+    recv = remote * kv_token / max(prof.intra_bw, prof.inter_bw)
+    send = dkv_token * (far / prof.inter_bw + (remote - far) / prof.intra_bw)
+    if tiled.nodes == 1:
+        return recv, send, 0.0
+    inter = _remote_keys(owner // per_node, rows[:, K0], rows[:, K1], starts, lens, dev // per_node, tiled.nodes)
+    return recv, send, float((inter * kv_token / prof.inter_bw).max() / per_node)
+
+
+def _remote_keys(owner: np.ndarray, a: np.ndarray, b: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                 home: np.ndarray, n: int, owner_home: np.ndarray | None = None) -> np.ndarray:
+    """Per owner ``o``: tokens in the union of its intervals ``[a, b)`` whose
+    block (``starts``, ``lens``) has a ``home`` other than ``owner_home[o]``
+    (default ``o``)."""
+    order = np.lexsort((a, owner))
+    owner, a, b = owner[order], a[order], b[order]
+    shift = (owner * (int(b.max(initial=0)) + 1)).astype(np.int64)
+    reach = np.maximum.accumulate(b + shift) - shift  # the furthest end so far, per owner
+    new = np.ones(len(a), bool)
+    new[1:] = (owner[1:] != owner[:-1]) | (a[1:] > reach[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(a)) - 1
+    m_owner, m_a, m_b = owner[first], a[first], reach[last]  # the merged intervals
+    total = np.bincount(m_owner, weights=(m_b - m_a).astype(float), minlength=n)
+    blk_end = starts + lens
+    for o in np.unique(m_owner).tolist():  # tokens homed on o inside its merged intervals
+        mine = home == (o if owner_home is None else owner_home[o])
+        cum = np.concatenate([[0], np.cumsum(lens[mine])])
+        at = m_owner == o
+        inside = _homed_below(m_b[at], starts, blk_end, mine, cum) - _homed_below(m_a[at], starts, blk_end, mine, cum)
+        total[o] -= inside.sum()
+    return total
+
+
+def _homed_below(x: np.ndarray, starts: np.ndarray, ends: np.ndarray, mine: np.ndarray, cum: np.ndarray) -> np.ndarray:
+    """Tokens below positions ``x`` in the blocks flagged ``mine`` (``cum``: their prefix sums)."""
+    j = np.searchsorted(starts, x, "right") - 1  # the block holding x (or ending at it)
+    before = np.cumsum(mine) - mine  # blocks of mine strictly before each block
+    partial = np.where(mine[j], np.minimum(x, ends[j]) - starts[j], 0)
+    return cum[before[j]] + partial
 
 
 # ------------------------------------------------------------------------------------------ the search
