@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +64,7 @@ def _expand(first: np.ndarray, last: np.ndarray, what: str = "rows"):
     return owner, value
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class BlockGraph:
     problem: Problem
     tb_start: np.ndarray
@@ -371,12 +372,27 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     n = len(starts)
     hg_class = problem.ir_head_classes()[hs * (problem.heads // (problem.kv_heads * kv_rep))]
     cb_tile, cb_hg = _compute_blocks(tile_key // (n * n), hg_class)
-    return BlockGraph(
+    return built(BlockGraph(
         problem=problem, tb_start=starts.copy(), tb_end=ends.copy(), hg_start=hs, hg_end=he,
         tile_q=(tile_key // n) % n, tile_k=tile_key % n, tile_ptr=tile_ptr,
         pieces=np.ascontiguousarray(rows), piece_src=src, tile_pairs=tile_pairs.astype(np.int64),
         cb_tile=cb_tile, cb_hg=cb_hg, kv_rep=kv_rep,
-    )
+    ))
+
+
+_BUILT: weakref.WeakSet = weakref.WeakSet()  # graphs made by build_graph / group_graph themselves
+
+
+def built(g: BlockGraph) -> BlockGraph:
+    """Mark ``g`` as the tile pass's own construction from its blocks (so a
+    plan file may leave its tiles out: :func:`attnplan.ir.groups.tiles_derived`);
+    any other graph — ``dataclasses.replace`` of one included — is not marked."""
+    _BUILT.add(g)
+    return g
+
+
+def is_built(g: BlockGraph) -> bool:
+    return g in _BUILT
 
 
 def sample_cuts(problem: Problem, block: int, pack: bool = True) -> np.ndarray:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
-from .graph import BlockGraph, _compute_blocks, build_graph
+from .graph import BlockGraph, _compute_blocks, build_graph, built, is_built
 
 
 def group_limit(g: BlockGraph, varlen: int) -> int:
@@ -93,12 +93,15 @@ def group_graph(g: BlockGraph, group: np.ndarray) -> BlockGraph:
     cb_tile, cb_hg = _compute_blocks(tile_key // (n * n), g.hg_class)
     hull_start = span_start[tb_ptr[:-1]]
     hull_end = span_end[tb_ptr[1:] - 1]
-    return BlockGraph(
+    out = BlockGraph(
         problem=g.problem, tb_start=hull_start, tb_end=hull_end, hg_start=g.hg_start, hg_end=g.hg_end,
         tile_q=(tile_key // n) % n, tile_k=tile_key % n, tile_ptr=tile_ptr,
         pieces=np.ascontiguousarray(g.pieces[porder]), piece_src=src, tile_pairs=tile_pairs.astype(np.int64),
         cb_tile=cb_tile, cb_hg=cb_hg, kv_rep=g.kv_rep, tb_ptr=tb_ptr,
         span_start=span_start.astype(np.int64), span_end=span_end.astype(np.int64))
+    # from a built graph this is what derive_tiles rebuilds: no mask piece meets two blocks of a group, so
+    # the merged spans clip every piece as its own block did
+    return built(out) if is_built(g) else out
 
 
 def group_home(home: np.ndarray, group: np.ndarray) -> np.ndarray:
@@ -148,7 +151,11 @@ def derive_tiles(problem, tb_start: np.ndarray, hg_start: np.ndarray, kv_rep: in
 
 
 def tiles_derived(g: BlockGraph) -> bool:
-    """Whether :func:`derive_tiles` of ``g``'s blocks gives ``g`` exactly."""
+    """Whether :func:`derive_tiles` of ``g``'s blocks gives ``g`` exactly:
+    true of the graphs build_graph and group_graph made (marked when made),
+    else checked by rebuilding."""
+    if is_built(g):
+        return True
     try:
         d = derive_tiles(g.problem, g.tb_start, g.hg_start, g.kv_rep, g.tb_ptr, g.span_start)
     except PlanError:

@@ -212,3 +212,41 @@ def test_dispatch_of_a_grouped_plan_takes_each_ranks_spans():
 def test_bad_varlen_option():
     with pytest.raises(PlanError, match="varlen must be -1"):
         attnplan.compile(seqlens=[40], devices=2, heads=2, kv_heads=2, head_dim=8, pipeline="tile,per_doc{varlen=-2},comm,emit")
+
+
+CASES = [([300, 5, 17, 900, 64, 1, 3, 250], "causal"), ([40, 41, 2, 7], "sliding_window(9)"),
+         ([120, 33], "(h < 2 & causal) | (h >= 2 & full)"), ([64, 64, 9], "prefix_lm(5)")]
+
+
+@pytest.mark.parametrize("strategy", attnplan.strategies())
+def test_the_tile_pass_graphs_are_what_their_blocks_rebuild(strategy):
+    """A plan file leaves out the tiles of graphs build_graph / group_graph made
+    (marked when made): rebuilding them from the blocks gives every field back."""
+    from attnplan.ir.graph import is_built
+    from attnplan.ir.groups import derive_tiles
+    for lens, mask in CASES:
+        try:
+            g = _compile(lens, 4, 2, strategy, mask, block=32, heads=4, kv_heads=2).ir.graph
+        except PlanError as e:
+            assert "not supported" in str(e)
+            continue
+        assert is_built(g)
+        d = derive_tiles(g.problem, g.tb_start, g.hg_start, g.kv_rep, g.tb_ptr, g.span_start)
+        for f in g.__dataclass_fields__:
+            a, b = getattr(g, f), getattr(d, f)
+            if isinstance(a, np.ndarray):
+                assert isinstance(b, np.ndarray) and a.shape == b.shape and np.array_equal(a, b), f
+            elif f != "problem":
+                assert a == b, f
+
+
+def test_a_changed_graph_is_checked_by_rebuilding(grouped):
+    from attnplan.ir.graph import is_built
+    from attnplan.ir.groups import tiles_derived
+    g = grouped.graph
+    assert tiles_derived(g)
+    pairs = g.tile_pairs.copy()
+    pairs[0] += 1
+    bad = dataclasses.replace(g, tile_pairs=pairs)
+    assert not is_built(bad) and not tiles_derived(bad)
+    assert tiles_derived(dataclasses.replace(g))  # an unchanged copy: checked, and equal
