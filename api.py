@@ -277,7 +277,9 @@ class Plan:
     # token ownership (the training API; see attnplan.runtime.layout) ---------------
     def local_index(self, rank: int) -> np.ndarray:
         """Global (packed) token index of each of ``rank``'s local rows: its home
-        token blocks in increasing order."""
+        token blocks in increasing block order, each block's rows in token order
+        (a varlen group's spans one after another, so the whole array of a
+        grouped plan need not increase)."""
         from .runtime.layout import local_index
         return local_index(self.ir, rank)
 

@@ -148,7 +148,8 @@ def _us(a) -> list:
 
 def _mask_page(m: dict) -> dict:
     return {"tokens": m["tokens"], "heads": m["heads"], "n_tb": m["n_tb"], "n_cb": m["n_cb"],
-            "bins": m["bins"], "aggregated": bool(m["aggregated"]), "edges": _ints(m["edges"]),
+            "spans": bool(m["spans"]), "bins": m["bins"], "aggregated": bool(m["aggregated"]),
+            "edges": _ints(m["edges"]),
             "bin_tb0": _ints(m["bin_tb0"]), "docs": _ints(m["doc_offsets"]),
             "cells": {"q": _ints(m["q"]), "k": _ints(m["k"]), "pairs": _ints(m["pairs"]),
                       "blocks": _ints(m["blocks"]), "device": _ints(m["device"]),

@@ -75,11 +75,15 @@ def _cell_device_pairs(cell: np.ndarray, dev: np.ndarray, pairs: np.ndarray, n: 
 
 def _cell_totals(cell: np.ndarray, pairs: np.ndarray, stage: np.ndarray, cb_id: np.ndarray) -> dict:
     """Per cell present (in increasing cell order): its id, compute blocks,
-    pairs, first and last stage and first and last compute block (``cb_id``)."""
-    order = np.argsort(cell, kind="stable")
+    pairs, first and last stage and first and last compute block (``cb_id``;
+    a varlen group's span blocks count once)."""
+    order = np.lexsort((cb_id, cell))
     cs = _group_starts(cell[order])
     ids = cb_id[order]
-    return {"cell": cell[order][cs], "blocks": np.diff(np.concatenate([cs, [len(cell)]])).astype(np.int64),
+    new_id = np.ones(len(ids), bool)
+    new_id[1:] = ids[1:] != ids[:-1]
+    new_id[cs] = True
+    return {"cell": cell[order][cs], "blocks": _reduce(np.add, new_id.astype(np.int64), cs),
             "pairs": _reduce(np.add, pairs[order], cs),
             "stage_min": _reduce(np.minimum, stage[order], cs), "stage_max": _reduce(np.maximum, stage[order], cs),
             "cb_min": _reduce(np.minimum, ids, cs), "cb_max": _reduce(np.maximum, ids, cs)}
@@ -97,7 +101,8 @@ def mask_cells(plan, max_bins: int = 160) -> dict:
     """The mask panel: compute blocks aggregated into cells of a (q bin, kv bin) grid.
 
     Returns ``edges`` (token position of each bin start, and T), ``bin_tb0``
-    (first token block of each bin, and n_tb), ``doc_offsets``, per-cell
+    (first token block of each bin, and the count; of a grouped plan, whose
+    cells are drawn span by span and ``spans`` is true: first span), ``doc_offsets``, per-cell
     columns ``q, k, pairs, blocks, device, share, devices, stage_min,
     stage_max, cb_min, cb_max, density`` (``pairs`` are allowed pairs × query
     heads; ``density`` = pairs / (heads × cell area); ``share`` = the dominant
@@ -124,7 +129,8 @@ def mask_cells(plan, max_bins: int = 160) -> dict:
     area = (edges[q + 1] - edges[q]).astype(float) * (edges[k + 1] - edges[k])
     density = c["pairs"] / np.maximum(1.0, area * p.heads)
     return {
-        "tokens": p.tokens, "heads": p.heads, "n_tb": g.n_tb, "n_cb": g.n_cb, "bins": nb,
+        "tokens": p.tokens, "heads": p.heads, "n_tb": ir.graph.n_tb, "n_cb": ir.graph.n_cb, "bins": nb,
+        "spans": ir.graph.grouped,
         "aggregated": nb < g.n_tb, "edges": edges, "bin_tb0": bin_tb0, "doc_offsets": p.offsets,
         "q": q, "k": k, "pairs": c["pairs"], "blocks": c["blocks"], "device": top_dev,
         "share": top_pairs / np.maximum(1, c["pairs"]), "devices": ndev, "stage_min": c["stage_min"],

@@ -272,26 +272,34 @@ def _graph_tiles(gb, p: Problem, n_tb: int, n_hg: int) -> dict:
 def graph(gb, p: Problem) -> BlockGraph:
     rep = _kv_rep(gb, p)
     blocks = _graph_blocks(gb, p, rep)
+    _check_blocks(p, blocks, rep)  # the blocks partition the tokens and heads before anything is built on them
     tiles_mode = gb.get("tiles") if isinstance(gb, dict) else None
     if tiles_mode is not None:
         if tiles_mode != "derived":
             fail(f"graph.tiles must be \"derived\" or absent, got {_kind(tiles_mode)}")
+        stored = [f for f in GRAPH_FIELDS if f not in BLOCK_FIELDS and f in gb]
+        if stored:
+            fail(f"graph.tiles is \"derived\" but the graph also stores {', '.join(stored)}")
         return _derived(p, blocks, rep)
     tiles = _graph_tiles(gb, p, len(blocks["tb_start"]), len(blocks["hg_start"]))
     return BlockGraph(problem=p, **blocks, **tiles, kv_rep=rep)
 
 
-def _derived(p: Problem, blocks: dict, rep: int) -> BlockGraph:
-    """The tiles the tile pass makes from the stored blocks (bounded by its
-    own limits); the stored block arrays must be exactly the rebuilt graph's."""
+def _check_blocks(p: Problem, blocks: dict, rep: int) -> None:
+    """Invariant 1 (and the spans' shape) on a graph of the blocks alone."""
     empty = np.zeros(0, np.int64)
     shell = BlockGraph(problem=p, **blocks, tile_q=empty, tile_k=empty, tile_ptr=np.zeros(1, np.int64),
                        pieces=np.zeros((0, 6), np.int64), piece_src=empty, tile_pairs=empty, cb_tile=empty,
                        cb_hg=empty, kv_rep=rep)
     try:
-        check_blocks(shell)  # the blocks partition the tokens and the heads before anything is built from them
+        check_blocks(shell)
     except VerifyError as e:
         fail(f"graph: {e}")
+
+
+def _derived(p: Problem, blocks: dict, rep: int) -> BlockGraph:
+    """The tiles the tile pass makes from the stored (checked) blocks, bounded
+    by its own limits; the stored block arrays must be exactly the rebuilt graph's."""
     try:
         g = derive_tiles(p, blocks["tb_start"], blocks["hg_start"], rep, blocks.get("tb_ptr"), blocks.get("span_start"))
     except PlanError as e:

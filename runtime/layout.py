@@ -34,7 +34,9 @@ def home_blocks(ir, device: int) -> np.ndarray:
 
 
 def local_index(ir, device: int) -> np.ndarray:
-    """Global token index of each local row of ``device`` (int64)."""
+    """Global token index of each local row of ``device`` (int64): its home
+    blocks in block order, a varlen group's spans one after another (not
+    necessarily increasing over the whole array)."""
     tbs = home_blocks(ir, device)
     return ir.graph.block_rows(tbs)
 

@@ -122,7 +122,7 @@ def test_collective_flag_on_a_staged_overlapped_plan_does_not_verify(data):
 def test_kv_rep_that_does_not_match_the_head_groups_does_not_verify(data):
     body = _body(data)
     body["graph"]["kv_rep"] = 2  # 4 query heads over 2 x 2 copies is a valid shape, but hg_end says 2 kv heads
-    with pytest.raises(PlanFileError, match=r"plan does not verify: invariant 2: head groups do not partition "
+    with pytest.raises(PlanFileError, match=r"graph: invariant 2: head groups do not partition "
                                             r"the kv heads \(x kv_rep 2\)"):
         _load(_repack(body))
 

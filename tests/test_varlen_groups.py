@@ -168,30 +168,55 @@ def test_verifier_wants_every_span_field(grouped):
 
 # -- plan files, pipelines, the runtime's layout -------------------------------------------------------
 
-def test_grouped_plan_file_round_trips_and_refuses_crafted_spans(grouped):
+META = {"pipeline": "x", "strategy": "per_doc", "block_size": 32, "profile": "h100"}
+
+
+def _crafted(ir, edit, derive=True) -> bytes:
+    """A plan file of ``ir`` whose graph record ``edit`` changed, with a valid header and checksum."""
     import hashlib
     import zlib
 
     import msgpack
 
     from attnplan.backends.planfile import _HEADER, FORMAT_VERSION, MAGIC, to_body
-    plan = attnplan.Plan(grouped, {"pipeline": "x", "strategy": "per_doc", "block_size": 32, "profile": "h100"})
+    body = to_body(ir, META, derive)
+    edit(body["graph"])
+    raw = zlib.compress(msgpack.packb(body, use_bin_type=True))
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
+
+
+def test_grouped_plan_file_round_trips_and_refuses_crafted_spans(grouped):
+    plan = attnplan.Plan(grouped, META)
     back = attnplan.Plan.from_bytes(plan.to_bytes())
     for f in ("tb_ptr", "span_start", "span_end"):
         assert np.array_equal(getattr(back.ir.graph, f), getattr(grouped.graph, f))
     assert back.to_bytes() == plan.to_bytes()
-
-    def crafted(edit) -> bytes:
-        body = to_body(grouped, plan.meta)
-        edit(body["graph"])
-        raw = zlib.compress(msgpack.packb(body, use_bin_type=True))
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
-
     for edit, msg in ((lambda gb: gb.update(span_end=gb["span_start"]), "invariant 2"),
                       (lambda gb: gb.pop("tb_ptr"), "tb_ptr"),
                       (lambda gb: gb.update(tb_ptr=gb["tb_start"]), "tb_ptr")):
         with pytest.raises(PlanFileError, match=msg):
-            attnplan.Plan.from_bytes(crafted(edit))
+            attnplan.Plan.from_bytes(_crafted(grouped, edit))
+
+
+def test_crafted_spans_of_a_file_with_explicit_tiles_are_refused(grouped):
+    """A file that stores its tiles is checked the same: bad span pointers are one clear error, no IndexError."""
+    from attnplan.backends.planfile import _arr  # the writer's own array encoding
+    explicit = attnplan.Plan.from_bytes(_crafted(grouped, lambda gb: None, derive=False))
+    assert explicit.to_bytes() == attnplan.Plan(grouped, META).to_bytes()
+    full = grouped.graph.tb_ptr
+    for values in (full[::-1].copy(),                                # decreasing
+                   np.r_[0, np.full(len(full) - 1, full[-1])],      # empty blocks
+                   np.r_[full[:-1], full[-1] - 1]):                # a span left out
+        for derive in (False, True):
+            with pytest.raises(PlanFileError, match="invariant 2"):
+                attnplan.Plan.from_bytes(_crafted(grouped, lambda gb, v=values: gb.update(tb_ptr=_arr(v)), derive))
+
+
+def test_derived_tiles_with_stored_tiles_are_refused(grouped):
+    from attnplan.backends.planfile import to_body
+    tile_q = to_body(grouped, META, derive=False)["graph"]["tile_q"]
+    with pytest.raises(PlanFileError, match="derived.* also stores tile_q"):
+        attnplan.Plan.from_bytes(_crafted(grouped, lambda gb: gb.update(tile_q=tile_q)))
 
 
 def test_a_strategy_after_groups_is_refused():

@@ -62,7 +62,11 @@ def check_mask(plan, stats, m, max_bins):
         assert (np.diff(E) <= plan.problem.tokens / max_bins + g.tb_len.max()).all()
     # totals: pairs, blocks, per-device pairs (= FLOPs / 4d)
     assert int(m["pairs"].sum()) == stats["pairs"]
-    assert int(m["blocks"].sum()) == g.n_cb
+    assert (m["n_tb"], m["n_cb"], m["spans"]) == (plan.ir.graph.n_tb, plan.ir.graph.n_cb, plan.ir.graph.grouped)
+    if plan.ir.graph.grouped:  # a group counts once per cell it draws in
+        assert plan.ir.graph.n_cb <= int(m["blocks"].sum()) <= g.n_cb
+    else:
+        assert int(m["blocks"].sum()) == g.n_cb
     per_dev = np.bincount(m["cd_device"], weights=m["cd_pairs"], minlength=n)
     assert per_dev.astype(np.int64).tolist() == stats["per_device"]["pairs"]
     assert (per_dev * 4 * plan.problem.head_dim).astype(np.int64).tolist() == stats["per_device"]["flops"]

@@ -82,6 +82,7 @@ function maskPanel(canvas, P) {
     ctx.fillText('key tokens →   (query tokens ↓)', ox + S / 2, oy + S + 24);
     return {ox, oy, S, sc};
   }
+  const TB = m.spans ? 'span ' : 'tb';  // a grouped plan is drawn span by span (its varlen groups' pieces)
   function docOf(t) { return Math.max(0, bsearch(docs, t)); }
   function cellText(i) {
     const qa = m.bin_tb0[c.q[i]], qb = m.bin_tb0[c.q[i] + 1] - 1, ka = m.bin_tb0[c.k[i]], kb = m.bin_tb0[c.k[i] + 1] - 1;
@@ -94,13 +95,13 @@ function maskPanel(canvas, P) {
     const node = Math.floor(c.device[i] / P.dpn);
     if (c.blocks[i] === 1) {
       return 'compute block c' + c.c0[i] + ' · device d' + c.device[i] + ' (node ' + node + ') · ' + st +
-        '\nq tb' + qa + ' [' + fmtInt(q0) + ', ' + fmtInt(q1) + ') × kv tb' + ka + ' [' + fmtInt(k0) + ', ' + fmtInt(k1) + ')' +
+        '\nq ' + TB + qa + ' [' + fmtInt(q0) + ', ' + fmtInt(q1) + ') × kv ' + TB + ka + ' [' + fmtInt(k0) + ', ' + fmtInt(k1) + ')' +
         '\n' + pairs + '\n' + docTxt;
     }
     const devs = c.ndev[i] === 1 ? 'device d' + c.device[i] + ' (node ' + node + ')'
       : 'devices: d' + c.device[i] + ' ' + (c.share[i] / 10).toFixed(1) + '% of pairs, ' + (c.ndev[i] - 1) + ' other device(s)';
-    const span = (qa === qb && ka === kb) ? 'tile q tb' + qa + ' × kv tb' + ka + ' (one per head group)'
-      : 'q tb' + qa + '–tb' + qb + ' [' + fmtInt(q0) + ', ' + fmtInt(q1) + ') × kv tb' + ka + '–tb' + kb + ' [' + fmtInt(k0) + ', ' + fmtInt(k1) + ')';
+    const span = (qa === qb && ka === kb) ? 'tile q ' + TB + qa + ' × kv ' + TB + ka + ' (one per head group)'
+      : 'q ' + TB + qa + '–' + TB + qb + ' [' + fmtInt(q0) + ', ' + fmtInt(q1) + ') × kv ' + TB + ka + '–' + TB + kb + ' [' + fmtInt(k0) + ', ' + fmtInt(k1) + ')';
     return 'cell aggregating ' + c.blocks[i] + ' compute blocks (c' + c.c0[i] + '…c' + c.c1[i] + ')\n' + span +
       '\n' + devs + ' · ' + st + '\n' + pairs + '\n' + docTxt;
   }
