@@ -336,19 +336,22 @@ def test_remote_keys_count_the_union_outside_each_owner(data):
     T = data.draw(st.integers(2, 60))
     cuts = np.unique([0, T] + data.draw(st.lists(st.integers(1, T - 1), max_size=6)))
     starts, lens = cuts[:-1], np.diff(cuts)
-    n = data.draw(st.integers(1, 3))
+    n = data.draw(st.integers(1, 4))
     home = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=len(starts), max_size=len(starts))))
     m = data.draw(st.integers(1, 8))
     owner = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=m, max_size=m)))
     a = np.array(data.draw(st.lists(st.integers(0, T - 1), min_size=m, max_size=m)))
     b = np.minimum(T, a + np.array(data.draw(st.lists(st.integers(1, 20), min_size=m, max_size=m))))
+    per_node = data.draw(st.integers(1, 2))  # the node form: homes and owners compared by node
     got = auto._remote_keys(owner, a, b, starts, lens, home, n)
+    far = auto._remote_keys(owner, a, b, starts, lens, home // per_node, n, np.arange(n) // per_node)
     token_home = np.repeat(home, lens)
     for o in range(n):
         cover = np.zeros(T, bool)
         for x, y in zip(a[owner == o], b[owner == o]):
             cover[x:y] = True
         assert got[o] == int((cover & (token_home != o)).sum())
+        assert far[o] == int((cover & (token_home // per_node != o // per_node)).sum())
 
 
 def test_many_short_documents_under_unfused_launches_choose_as_the_exhaustive_search():

@@ -294,22 +294,27 @@ def _remote_keys(owner: np.ndarray, a: np.ndarray, b: np.ndarray, starts: np.nda
     last = np.append(first[1:], len(a)) - 1
     m_owner, m_a, m_b = owner[first], a[first], reach[last]  # the merged intervals
     total = np.bincount(m_owner, weights=(m_b - m_a).astype(float), minlength=n)
-    blk_end = starts + lens
-    for o in np.unique(m_owner).tolist():  # tokens homed on o inside its merged intervals
-        mine = home == (o if owner_home is None else owner_home[o])
-        cum = np.concatenate([[0], np.cumsum(lens[mine])])
-        at = m_owner == o
-        inside = _homed_below(m_b[at], starts, blk_end, mine, cum) - _homed_below(m_a[at], starts, blk_end, mine, cum)
-        total[o] -= inside.sum()
-    return total
+    h = m_owner if owner_home is None else owner_home[m_owner]  # tokens homed on h inside its merged intervals
+    below = _homed_below(np.concatenate([h, h]), np.concatenate([m_b, m_a]), starts, lens, home)
+    inside = below[:len(h)] - below[len(h):]
+    return total - np.bincount(m_owner, weights=inside.astype(float), minlength=n)
 
 
-def _homed_below(x: np.ndarray, starts: np.ndarray, ends: np.ndarray, mine: np.ndarray, cum: np.ndarray) -> np.ndarray:
-    """Tokens below positions ``x`` in the blocks flagged ``mine`` (``cum``: their prefix sums)."""
-    j = np.searchsorted(starts, x, "right") - 1  # the block holding x (or ending at it)
-    before = np.cumsum(mine) - mine  # blocks of mine strictly before each block
-    partial = np.where(mine[j], np.minimum(x, ends[j]) - starts[j], 0)
-    return cum[before[j]] + partial
+def _homed_below(h: np.ndarray, x: np.ndarray, starts: np.ndarray, lens: np.ndarray, home: np.ndarray) -> np.ndarray:
+    """Per query i: tokens below position ``x[i]`` in the blocks (``starts``,
+    ``lens``, disjoint) whose ``home`` is ``h[i]`` — one sort of the blocks by
+    (home, start) and two binary searches per query."""
+    order = np.lexsort((starts, home))
+    hs, ss = home[order].astype(np.int64), starts[order].astype(np.int64)
+    es = ss + lens[order]
+    cum = np.concatenate([[0], np.cumsum(lens[order])])
+    span = int(es.max(initial=0)) + 1
+    h, x = np.asarray(h, np.int64), np.asarray(x, np.int64)
+    first = np.searchsorted(hs, h, "left")  # h's first block in that order
+    at = np.searchsorted(hs * span + ss, h * span + x, "right") - 1  # h's last block starting at or below x
+    ok = at >= first
+    at = np.maximum(at, 0)
+    return np.where(ok, cum[at] - cum[np.minimum(first, len(ss))] + np.minimum(x, es[at]) - ss[at], 0)
 
 
 # ------------------------------------------------------------------------------------------ the search
