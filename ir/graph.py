@@ -350,14 +350,14 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     rows, src, qb = rows[own], src[own], qb[own]
     rows[:, K0] = np.maximum(rows[:, K0], starts[kb])
     rows[:, K1] = np.minimum(rows[:, K1], ends[kb])
-    keep = tighten(rows)
-    rows, src, qb, kb = rows[keep], src[keep], qb[keep], kb[keep]
+    keep = np.flatnonzero(tighten(rows))
+    src = src[keep]
     # group into tiles: (mask class, q block, kv block); one class without per-head masks
-    key = qb * len(starts) + kb
+    key = qb[keep] * len(starts) + kb[keep]
     if problem.class_ptr is not None:
         key += problem.class_of_piece()[src] * (len(starts) * len(starts))
     order = np.lexsort((src, key))
-    rows, src, key = rows[order], src[order], key[order]
+    rows, src, key = rows[keep[order]], src[order], key[order]  # one gather of the rows: they are the bulk
     bound = np.flatnonzero(np.diff(key)) + 1
     # CSR pointers: one per tile plus the end (just [0] when the mask allows no pair at all)
     tile_ptr = np.concatenate([[0], bound, [len(key)]] if len(key) else [[0]]).astype(np.int64)

@@ -39,6 +39,16 @@ def tighten(a: np.ndarray) -> np.ndarray:
     return (a[:, Q0] < a[:, Q1]) & (a[:, K0] < a[:, K1]) & (a[:, LO] <= a[:, HI])
 
 
+def tight(a: np.ndarray) -> bool:
+    """Whether every row of the pieces ``a`` is already what :func:`normalize`
+    makes of it: non-empty, and no bound :func:`tighten` would move (one of
+    its steps leaving every bound in place is its fixed point; bounds only
+    move inwards, so a moved one never comes back) — comparisons, no copy."""
+    q0, q1, k0, k1, lo, hi = (a[:, i] for i in range(6))
+    return bool(((q0 < q1) & (k0 < k1) & (lo <= hi) & (lo >= k0 - (q1 - 1)) & (hi <= (k1 - 1) - q0)
+                 & (q0 >= k0 - hi) & (q1 <= k1 - lo) & (k0 >= q0 + lo) & (k1 <= q1 + hi)).all())
+
+
 def normalize(a: np.ndarray) -> np.ndarray:
     """A tightened copy of the pieces ``a`` without the empty ones (see :func:`tighten`)."""
     a = np.array(a, dtype=np.int64, copy=True).reshape(-1, 6)

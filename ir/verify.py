@@ -48,7 +48,7 @@ import numpy as np
 from .arrays import unique
 from .graph import BlockGraph
 from .limits import MAX_DEVICES, MAX_MASK_PIECES
-from .mask import HI, K0, K1, LO, Q0, Q1, first_overlap, normalize, piece_counts
+from .mask import HI, K0, K1, LO, Q0, Q1, first_overlap, piece_counts, tight
 from .module import PlanIR
 from .placement import Placement
 from .problem import Problem
@@ -92,7 +92,7 @@ def verify_problem(p: Problem) -> None:
                      f"[{int(lo[bad])}, {int(split[bad])}) x its keys [{int(split[bad])}, {int(hi[bad])})")
     T = p.tokens  # a tightened piece's band lies in [-T, T]: bounded before any arithmetic on it
     band = a[:, [LO, HI]]
-    if ((band < -T) | (band > T)).any() or not np.array_equal(normalize(a), a) \
+    if ((band < -T) | (band > T)).any() or not tight(a) \
             or (piece_counts(a) <= 0).any():
         _fail(1, "mask pieces are not in canonical (tightened, non-empty) form")
     hit = _class_overlap(a, [0, len(a)] if p.class_ptr is None else p.class_ptr.tolist())
@@ -213,7 +213,7 @@ def _check_tile_pieces(g: BlockGraph) -> None:
     bad = _first(~(inside & sub))
     if bad is not None:
         _fail(2, f"piece {P[bad].tolist()} of tile {owner[bad]} lies outside its tile or its mask piece {src[bad]}")
-    if not np.array_equal(normalize(P), P):
+    if not tight(P):
         _fail(2, "tile pieces are not in canonical (tightened, non-empty) form")
     counts = piece_counts(P)
     bad = _first(counts <= 0)

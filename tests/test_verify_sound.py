@@ -11,13 +11,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import attnplan
 from attnplan.errors import DeadlockError, PlanError, PlanFileError, VerifyError
 from attnplan.ir import limits
 from attnplan.ir import verify as verify_mod
 from attnplan.ir.interp import check_deadlock_free, cooperate
-from attnplan.ir.mask import Pieces, _intersect_rows, _pairwise, first_overlap, normalize, tighten
+from attnplan.ir.mask import Pieces, _intersect_rows, _pairwise, first_overlap, normalize, tight, tighten
 from attnplan.ir.module import PlanIR
 from attnplan.ir.placement import Placement
 from attnplan.ir.problem import Problem
@@ -307,6 +309,20 @@ def test_static_deadlock_check_agrees_with_the_walk(plan):
 
 
 # ------------------------------------------------------------------ cost follows the work
+
+@settings(max_examples=300)
+@given(rows=st.lists(st.tuples(*[st.integers(-12, 12)] * 4, st.integers(-30, 30), st.integers(-30, 30)),
+                     min_size=1, max_size=8), col=st.integers(0, 5), delta=st.integers(-3, 3))
+@example(rows=[(0, 1, 0, 5, 0, 0)], col=3, delta=0)  # one row, k1 past the band: tighten moves only k1
+def test_tight_is_normalize_leaving_the_pieces_alone(rows, col, delta):
+    """The verifier's canonical check (comparisons only) equals comparing with normalize's copy,
+    on random pieces and on canonical ones with one bound moved."""
+    for a in (np.array(rows, np.int64), normalize(np.array(rows, np.int64))):
+        if len(a):
+            for b in (a, a.copy()):
+                b[0, col] += delta if b is not a else 0
+                assert tight(b) == (len(normalize(b)) == len(b) and np.array_equal(normalize(b), b))
+
 
 def brute_overlap(a):
     i, j = _pairwise(a, a)
