@@ -366,3 +366,23 @@ def test_many_short_documents_under_unfused_launches_choose_as_the_exhaustive_se
     assert grouped * 20 < plain
     plan = attnplan.compile(block_size=256, strategy="auto", profile="cpu-local", **kw)
     assert plan.meta["strategy"] == "auto:" + exhaustive_choice(lens, 8, 1, "causal", "cpu-local")
+
+
+def test_the_chosen_plan_is_verified(monkeypatch):
+    """Candidates run unverified; the plan auto returns is verified at every level: a finishing step
+    that breaks the placement (every compute block moved to the next device) is caught, naming auto's choice."""
+    from attnplan.errors import VerifyError
+    from attnplan.ir.placement import Placement
+    real = auto.finish
+
+    def broken(p, kwargs, prof, comm=None):
+        ir, passes, predicted = real(p, kwargs, prof, comm)
+        pl = ir.placement
+        moved = Placement(pl.devices, pl.nodes, pl.home.copy(), (pl.cb_device + 1) % pl.devices)
+        return ir.replace(placement=moved), passes, predicted
+
+    monkeypatch.setattr(auto, "finish", broken)
+    kw = dict(seqlens=[300, 40, 900, 17], devices=4, block_size=64, strategy="auto", **SHAPE)
+    with pytest.raises(VerifyError, match=r"auto: the chosen plan \(\w+.*\) does not verify: invariant \d"):
+        attnplan.compile(**kw)
+    assert attnplan.compile(verify=False, **kw).meta["strategy"].startswith("auto:")  # unverified: goes through
