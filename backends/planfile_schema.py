@@ -286,7 +286,7 @@ def graph(gb, p: Problem) -> BlockGraph:
 
 
 def _check_blocks(p: Problem, blocks: dict, rep: int) -> None:
-    """Invariant 1 (and the spans' shape) on a graph of the blocks alone."""
+    """Invariant 2's block checks (and the spans' shape) on a graph of the blocks alone."""
     empty = np.zeros(0, np.int64)
     shell = BlockGraph(problem=p, **blocks, tile_q=empty, tile_k=empty, tile_ptr=np.zeros(1, np.int64),
                        pieces=np.zeros((0, 6), np.int64), piece_src=empty, tile_pairs=empty, cb_tile=empty,
