@@ -58,7 +58,9 @@ def _expand(first: np.ndarray, last: np.ndarray, what: str = "rows"):
     total = int(n.sum(dtype=np.int64)) if len(n) else 0
     if total > MAX_TILE_PIECES:
         raise PlanError(f"tiling would make {total:,} {what}, over the limit of {MAX_TILE_PIECES:,} (ir/limits.py "
-                        f"MAX_TILE_PIECES): use a larger block size or fewer devices")
+                        f"MAX_TILE_PIECES): use a larger block size, fewer devices, or a strategy that cuts the "
+                        f"documents less finely (per_doc, and dacp for the documents it spreads, cut each into "
+                        f"2 x devices chunks)")
     owner = np.repeat(np.arange(len(first)), n)
     value = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n) + first[owner]
     return owner, value

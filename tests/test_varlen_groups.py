@@ -275,3 +275,17 @@ def test_a_changed_graph_is_checked_by_rebuilding(grouped):
     bad = dataclasses.replace(g, tile_pairs=pairs)
     assert not is_built(bad) and not tiles_derived(bad)
     assert tiles_derived(dataclasses.replace(g))  # an unchanged copy: checked, and equal
+
+
+def test_per_document_sharding_over_the_piece_limit_is_refused_before_it_allocates(monkeypatch):
+    """per_doc lists a piece per (document, q chunk, kv chunk): over MAX_TILE_PIECES it stops with a
+    PlanError that says why, counted before the rows exist."""
+    from attnplan.ir import graph as graph_mod
+    monkeypatch.setattr(graph_mod, "MAX_TILE_PIECES", 2_000)
+    lens = [40] * 30  # 30 documents x (16 x 17 / 2) causal chunk pairs on 8 devices = 4,080 pieces
+    with pytest.raises(PlanError, match=r"tiling would make 4,080 \(mask piece, tile\) rows, over the limit of "
+                                        r"2,000 .*per_doc.* 2 x devices chunks"):
+        attnplan.compile(seqlens=lens, devices=8, strategy="per_doc", block_size=64, heads=4, kv_heads=2,
+                         head_dim=8)
+    assert attnplan.compile(seqlens=lens, devices=8, strategy="minheap", block_size=64, heads=4, kv_heads=2,
+                            head_dim=8).ir.graph is not None  # a strategy that does not cut every document
