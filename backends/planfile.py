@@ -129,7 +129,13 @@ def canonical_bytes(ir: PlanIR, meta: dict, derive: bool = True) -> bytes:
 
 def pack(ir: PlanIR, meta: dict, derive: bool = True) -> bytes:
     """The plan file's bytes: header and compressed :func:`canonical_bytes`."""
-    raw = zlib.compress(canonical_bytes(ir, meta, derive), _ZLIB_LEVEL)
+    return pack_body(to_body(ir, meta, derive))
+
+
+def pack_body(body) -> bytes:
+    """A plan file of the msgpack-able ``body`` (valid header, length and checksum; the body itself is
+    checked only when read — tests craft bodies with it)."""
+    raw = zlib.compress(msgpack.packb(body, use_bin_type=True), _ZLIB_LEVEL)
     return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import attnplan
 from attnplan.backends import planfile, planfile_schema
-from attnplan.backends.planfile import FORMAT_VERSION, MAGIC, _HEADER, pack, unpack
+from attnplan.backends.planfile import FORMAT_VERSION, MAGIC, _HEADER, pack, pack_body, unpack
 from attnplan.errors import BatchError, PlanFileError
 from attnplan.ir.graph import BlockGraph
 from attnplan.ir.program import ADD, ATTN, ATTN_BWD, FWD, MERGE, Program
@@ -47,7 +47,7 @@ def _frame(raw: bytes, version: int = FORMAT_VERSION) -> bytes:
 
 
 def _repack(body) -> bytes:
-    return _frame(zlib.compress(msgpack.packb(body, use_bin_type=True)))
+    return pack_body(body)
 
 
 def _load(data: bytes):

@@ -9,7 +9,6 @@ a time bound per case. Deterministic: every case comes from an explicit seed."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import time
 import traceback
@@ -22,7 +21,7 @@ import torch
 
 import attnplan
 from attnplan.backends import planfile_schema
-from attnplan.backends.planfile import _HEADER, FORMAT_VERSION, MAGIC
+from attnplan.backends.planfile import _HEADER, pack_body
 from attnplan.errors import PlanFileError
 from attnplan.ir.program import ADD, ATTN, ATTN_BWD, MERGE
 from attnplan.runtime.check import reference
@@ -52,8 +51,7 @@ def _decode(data: bytes) -> dict:
 
 
 def _encode(body) -> bytes:
-    raw = zlib.compress(msgpack.packb(body, use_bin_type=True))
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
+    return pack_body(body)
 
 
 def _is_record(x) -> bool:

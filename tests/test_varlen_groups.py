@@ -173,16 +173,10 @@ META = {"pipeline": "x", "strategy": "per_doc", "block_size": 32, "profile": "h1
 
 def _crafted(ir, edit, derive=True) -> bytes:
     """A plan file of ``ir`` whose graph record ``edit`` changed, with a valid header and checksum."""
-    import hashlib
-    import zlib
-
-    import msgpack
-
-    from attnplan.backends.planfile import _HEADER, FORMAT_VERSION, MAGIC, to_body
+    from attnplan.backends.planfile import pack_body, to_body
     body = to_body(ir, META, derive)
     edit(body["graph"])
-    raw = zlib.compress(msgpack.packb(body, use_bin_type=True))
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
+    return pack_body(body)
 
 
 def test_grouped_plan_file_round_trips_and_refuses_crafted_spans(grouped):

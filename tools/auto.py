@@ -18,7 +18,7 @@ than the best simulated plan's whole makespan cannot win.
    pipeline (:func:`attnplan.api.default_pipeline`). The mask is lowered
    once for all of them. Candidates are not verified pass by pass: the
    chosen plan is, every level of it (``verify``), before it is returned —
-   the verifier was 40% of auto's time on the 128K batches at 8 devices,
+   the verifier was 40% of auto's time (cProfile, pretrain-128k-0 at 8 devices),
    spent mostly on plans that lose.
 2. **Estimate** each placement (:func:`estimate`): per device and phase, its
    compute (:func:`attnplan.backends.cost.cb_seconds`: per-piece tile
@@ -317,7 +317,7 @@ def _homed_below(h: np.ndarray, x: np.ndarray, starts: np.ndarray, lens: np.ndar
     at = np.searchsorted(hs * span + ss, h * span + x, "right") - 1  # h's last block starting at or below x
     ok = at >= first
     at = np.maximum(at, 0)
-    return np.where(ok, cum[at] - cum[np.minimum(first, len(ss))] + np.minimum(x, es[at]) - ss[at], 0)
+    return np.where(ok, cum[at] - cum[first] + np.minimum(x, es[at]) - ss[at], 0)  # first <= len(ss) < len(cum)
 
 
 # ------------------------------------------------------------------------------------------ the search
