@@ -221,7 +221,10 @@ def resolve_profile(explicit=None, recorded=None) -> Profile:
 
 def rounded_pairs(graph, tile_q: int) -> np.ndarray:
     """Per tile: allowed pairs with each piece's query rows rounded up to the
-    kernel's ``tile_q`` (the work a tiled kernel really does)."""
+    kernel's ``tile_q`` (the work a tiled kernel really does); relation
+    tiles in closed form from their entry table (ir/relation.py), the same sums."""
+    if graph.relation:
+        return graph.relation_table().sums(graph.tile_q, graph.tile_k, tile_q)
     P = graph.pieces
     if len(P) == 0:
         return np.zeros(graph.n_tile)

@@ -301,7 +301,8 @@ def _derived(p: Problem, blocks: dict, rep: int) -> BlockGraph:
     """The tiles the tile pass makes from the stored (checked) blocks, bounded
     by its own limits; the stored block arrays must be exactly the rebuilt graph's."""
     try:
-        g = derive_tiles(p, blocks["tb_start"], blocks["hg_start"], rep, blocks.get("tb_ptr"), blocks.get("span_start"))
+        g = derive_tiles(p, blocks["tb_start"], blocks["hg_start"], rep, blocks.get("tb_ptr"), blocks.get("span_start"),
+                         blocks.get("span_end"))
     except PlanError as e:
         fail(f"graph: its tiles cannot be rebuilt from its blocks: {e}")
     for f, a in blocks.items():

@@ -43,6 +43,7 @@ from .arrays import unique
 from .limits import MAX_TILE_PIECES
 from .mask import HI, INF, K0, K1, LO, Q0, Q1, piece_counts, tighten
 from .problem import Problem
+from .relation import Table, table, tile_pieces
 
 
 def _ramp(n: np.ndarray) -> np.ndarray:
@@ -85,6 +86,7 @@ class BlockGraph:
     tb_ptr: np.ndarray | None = None      # varlen groups: block b's spans are tb_ptr[b]:tb_ptr[b+1]
     span_start: np.ndarray | None = None  # varlen groups: the spans, block by block
     span_end: np.ndarray | None = None
+    relation: bool = False  # varlen groups whose tiles are relations (ir/relation.py): no pieces stored
 
     def __post_init__(self):
         for f in self.__dataclass_fields__:
@@ -226,11 +228,27 @@ class BlockGraph:
         return 4 * self.problem.head_dim * self.cb_pairs
 
     def tile_pieces(self, tile: int) -> np.ndarray:
+        """The mask pieces of ``tile`` (made from the entry table for relation tiles)."""
+        if self.relation:
+            return tile_pieces(self.problem, self.relation_table(), int(self.tile_q[tile]), int(self.tile_k[tile]))[0]
         return self.pieces[self.tile_ptr[tile]:self.tile_ptr[tile + 1]]
 
+    def relation_table(self) -> Table:
+        """The entry table of a relation graph (:mod:`attnplan.ir.relation`), made once."""
+        t = _TABLES.get(self)
+        if t is None:
+            ss, se, owner = self.spans()
+            t = table(self.problem, ss, se, owner, self.n_tb) if self.relation and self.grouped else None
+            if t is None:
+                raise PlanError("this graph's tiles are not relations of its blocks (graph.relation needs varlen "
+                                "groups of a per-document causal or full mask in a consistent order)")
+            _TABLES[self] = t
+        return t
+
     def to_text(self, limit: int = 40) -> str:
+        shown = "relation" if self.relation else len(self.pieces)
         lines = [(f"blockgraph token_blocks={self.n_tb} head_groups={self.n_hg} tiles={self.n_tile} "
-                  f"compute_blocks={self.n_cb} pieces={len(self.pieces)}")]
+                  f"compute_blocks={self.n_cb} pieces={shown}")]
         ss, se, _ = self.spans()
         for t in range(min(self.n_tb, limit)):
             if self.tb_ptr is None:
@@ -242,7 +260,8 @@ class BlockGraph:
         for c in range(min(self.n_cb, limit)):
             t = self.cb_tile[c]
             lines.append(f"  c{c} = tile{t}(q=tb{self.tile_q[t]}, kv=tb{self.tile_k[t]}) hg{self.cb_hg[c]} "
-                         f"pairs={self.cb_pairs[c]} pieces={self.tile_ptr[t + 1] - self.tile_ptr[t]}")
+                         f"pairs={self.cb_pairs[c]}" + ("" if self.relation else
+                                                        f" pieces={self.tile_ptr[t + 1] - self.tile_ptr[t]}"))
         if max(self.n_tb, self.n_cb) > limit:
             lines.append(f"  ... ({self.n_tb} token blocks, {self.n_cb} compute blocks)")
         return "\n".join(lines)
@@ -325,6 +344,32 @@ def check_kv_rep(problem: Problem, kv_rep: int) -> None:
                         f"multiple of {problem.kv_heads * kv_rep} (each copy serves whole query heads)")
 
 
+def block_bounds(problem: Problem, cuts) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of the contiguous token blocks cut at ``cuts`` (0 and T added, duplicates dropped)."""
+    T = problem.tokens
+    cuts = unique(np.concatenate([np.asarray(cuts, np.int64), [0, T]]))
+    cuts = cuts[(cuts >= 0) & (cuts <= T)]
+    return cuts[:-1], cuts[1:]
+
+
+def graph_head_groups(problem: Problem, n_head_groups: int, kv_rep: int, hg_starts: np.ndarray | None = None):
+    """(kv_rep, hg_start, hg_end, hg_class) that :func:`build_graph` uses: ``n_head_groups`` head
+    groups over ``kv_heads · kv_rep`` virtual kv heads (:func:`class_head_groups`), or those
+    starting at ``hg_starts``."""
+    check_kv_rep(problem, kv_rep)
+    kv_rep = class_kv_rep(problem, kv_rep)
+    if not 1 <= n_head_groups <= problem.kv_heads * kv_rep:
+        raise PlanError(f"{n_head_groups} head groups over {problem.kv_heads * kv_rep} kv heads: between 1 and "
+                        f"the kv heads")
+    if hg_starts is None:
+        hs, he = class_head_groups(problem, kv_rep, n_head_groups)
+    else:
+        hs = np.asarray(hg_starts, np.int64)
+        he = np.append(hs[1:], problem.kv_heads * kv_rep).astype(np.int64)
+    hg_class = problem.ir_head_classes()[hs * (problem.heads // (problem.kv_heads * kv_rep))]
+    return kv_rep, hs, he, hg_class
+
+
 def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_rep: int = 1,
                 hg_starts: np.ndarray | None = None) -> BlockGraph:
     """Tile ``problem`` at the token positions ``cuts`` (0 and T are added),
@@ -335,15 +380,8 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     Vectorized: mask pieces are expanded over the q blocks they touch, then
     over the kv blocks each clipped piece touches, clipped, tightened and
     grouped by (q block, kv block)."""
-    check_kv_rep(problem, kv_rep)
-    kv_rep = class_kv_rep(problem, kv_rep)
-    if not 1 <= n_head_groups <= problem.kv_heads * kv_rep:
-        raise PlanError(f"{n_head_groups} head groups over {problem.kv_heads * kv_rep} kv heads: between 1 and "
-                        f"the kv heads")
-    T = problem.tokens
-    cuts = unique(np.concatenate([np.asarray(cuts, np.int64), [0, T]]))
-    cuts = cuts[(cuts >= 0) & (cuts <= T)]
-    starts, ends = cuts[:-1], cuts[1:]
+    kv_rep, hs, he, hg_class = graph_head_groups(problem, n_head_groups, kv_rep, hg_starts)
+    starts, ends = block_bounds(problem, cuts)
     rows, src, qb = q_block_rows(problem.pieces.a, starts, ends)
     # over kv blocks
     first = np.searchsorted(starts, rows[:, K0], "right") - 1
@@ -366,13 +404,7 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     tile_key = key[tile_ptr[:-1]]
     counts = piece_counts(rows)
     tile_pairs = np.add.reduceat(counts, tile_ptr[:-1]) if len(counts) else counts
-    if hg_starts is None:
-        hs, he = class_head_groups(problem, kv_rep, n_head_groups)
-    else:
-        hs = np.asarray(hg_starts, np.int64)
-        he = np.append(hs[1:], problem.kv_heads * kv_rep).astype(np.int64)
     n = len(starts)
-    hg_class = problem.ir_head_classes()[hs * (problem.heads // (problem.kv_heads * kv_rep))]
     cb_tile, cb_hg = _compute_blocks(tile_key // (n * n), hg_class)
     return built(BlockGraph(
         problem=problem, tb_start=starts.copy(), tb_end=ends.copy(), hg_start=hs, hg_end=he,
@@ -382,6 +414,7 @@ def build_graph(problem: Problem, cuts: np.ndarray, n_head_groups: int = 1, kv_r
     ))
 
 
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # relation graph -> its entry table
 _BUILT: weakref.WeakSet = weakref.WeakSet()  # graphs made by build_graph / group_graph themselves
 
 

@@ -20,14 +20,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
-from .graph import BlockGraph, _compute_blocks, build_graph, built, is_built
+from .graph import _TABLES, BlockGraph, _compute_blocks, build_graph, built, graph_head_groups, is_built
+from .relation import table
 
 
 def group_limit(g: BlockGraph, varlen: int) -> int:
-    """Tokens per varlen group for a strategy's ``varlen`` option: -1 the
-    longest token block of the tiled graph ``g`` (the tile pass's block size
-    once a document reaches it), else ``varlen`` (0: no groups)."""
-    return int(g.tb_len.max(initial=1)) if varlen == -1 else varlen
+    """Tokens per varlen group for a strategy's ``varlen`` option: -1 no cap
+    (every token: one group per (device, key) — per_doc's whole chunk column,
+    what TransformerEngine's THD attention runs as one varlen call per ring
+    step), else ``varlen`` (0: no groups)."""
+    return max(1, g.problem.tokens) if varlen == -1 else varlen
 
 
 def varlen_groups(tb_len: np.ndarray, home: np.ndarray, key: np.ndarray, limit: int) -> np.ndarray:
@@ -39,7 +41,12 @@ def varlen_groups(tb_len: np.ndarray, home: np.ndarray, key: np.ndarray, limit: 
     n = len(tb_len)
     grp = np.arange(n, dtype=np.int64)
     cand = np.flatnonzero(np.asarray(key) >= 0)
-    if len(cand):
+    if len(cand) and limit >= int(tb_len[cand].sum()):  # no cap: one group per (home, key)
+        order = cand[np.lexsort((cand, key[cand], home[cand]))]
+        lead = np.ones(len(order), bool)
+        lead[1:] = (home[order[1:]] != home[order[:-1]]) | (key[order[1:]] != key[order[:-1]])
+        grp[order] = order[np.flatnonzero(lead)][np.cumsum(lead) - 1]
+    elif len(cand):
         order = cand[np.lexsort((cand, key[cand], home[cand]))]
         same = np.zeros(len(order), bool)
         same[1:] = (home[order[1:]] == home[order[:-1]]) & (key[order[1:]] == key[order[:-1]])
@@ -58,6 +65,22 @@ def varlen_groups(tb_len: np.ndarray, home: np.ndarray, key: np.ndarray, limit: 
     return renum[grp]
 
 
+def group_spans(tb_start: np.ndarray, tb_end: np.ndarray, group: np.ndarray):
+    """(tb_ptr, span_start, span_end) of the groups ``group`` (ids ``0..G-1``)
+    of the contiguous blocks ``[tb_start, tb_end)``: each group's members in
+    position order, adjacent ones merged into one span."""
+    group = np.asarray(group, np.int64)
+    n = int(group.max()) + 1 if len(group) else 0
+    tb = np.lexsort((np.arange(len(group)), group))
+    gs = group[tb]
+    new_span = np.ones(len(tb), bool)
+    new_span[1:] = (gs[1:] != gs[:-1]) | (tb[1:] != tb[:-1] + 1)
+    first = np.flatnonzero(new_span)
+    last = np.append(first[1:], len(tb)) - 1
+    tb_ptr = np.searchsorted(gs[first], np.arange(n + 1)).astype(np.int64)
+    return tb_ptr, tb_start[tb[first]].astype(np.int64), tb_end[tb[last]].astype(np.int64)
+
+
 def group_graph(g: BlockGraph, group: np.ndarray) -> BlockGraph:
     """The graph whose token block ``j`` is the blocks of ``g`` with
     ``group == j`` (ids ``0..G-1``; adjacent members merged into one span),
@@ -69,14 +92,7 @@ def group_graph(g: BlockGraph, group: np.ndarray) -> BlockGraph:
         raise PlanError("varlen groups: the graph's token blocks are already grouped")
     group = np.asarray(group, np.int64)
     n = int(group.max()) + 1 if len(group) else 0
-    order = np.lexsort((np.arange(g.n_tb), group))
-    gs, tb = group[order], order
-    new_span = np.ones(len(order), bool)
-    new_span[1:] = (gs[1:] != gs[:-1]) | (tb[1:] != tb[:-1] + 1)
-    first = np.flatnonzero(new_span)
-    last = np.append(first[1:], len(order)) - 1
-    span_start, span_end, span_group = g.tb_start[tb[first]], g.tb_end[tb[last]], gs[first]
-    tb_ptr = np.searchsorted(span_group, np.arange(n + 1)).astype(np.int64)
+    tb_ptr, span_start, span_end = group_spans(g.tb_start, g.tb_end, group)
     fine_key = (g.tile_class * n + group[g.tile_q]) * n + group[g.tile_k]  # each fine tile lies in one group tile
     key = np.repeat(fine_key, np.diff(g.tile_ptr))
     porder = np.lexsort((g.piece_src, key))
@@ -134,20 +150,43 @@ def ungroup(g: BlockGraph) -> tuple[BlockGraph, np.ndarray]:
     return fine, cb.astype(np.int64)
 
 
+def grouped_graph(problem, tb_ptr: np.ndarray, span_start: np.ndarray, span_end: np.ndarray,
+                  hg_start: np.ndarray, kv_rep: int) -> BlockGraph:
+    """The grouped graph of these blocks (``tb_ptr`` into the spans) and head
+    groups: relation tiles (:mod:`attnplan.ir.relation`, no pieces stored)
+    where the mask and the blocks allow, else the contiguous tiling of the
+    spans grouped by :func:`group_graph` (its pieces enumerated)."""
+    tb_ptr, ss, se = (np.asarray(a, np.int64) for a in (tb_ptr, span_start, span_end))
+    n = len(tb_ptr) - 1
+    owner = np.repeat(np.arange(n, dtype=np.int64), np.diff(tb_ptr))
+    tab = table(problem, ss, se, owner, n)
+    if tab is None:
+        order = np.argsort(ss, kind="stable")
+        fine = build_graph(problem, ss[order], len(hg_start), kv_rep, hg_starts=hg_start)
+        if fine.n_tb != len(order):
+            raise PlanError("varlen groups: the spans do not partition the tokens")
+        return group_graph(fine, owner[order])
+    kv_rep, hs, he, hg_class = graph_head_groups(problem, len(hg_start), kv_rep, hg_start)
+    tq, tk = tab.tiles()
+    cb_tile, cb_hg = _compute_blocks(np.zeros(len(tq), np.int64), hg_class)
+    g = BlockGraph(
+        problem=problem, tb_start=ss[tb_ptr[:-1]], tb_end=se[tb_ptr[1:] - 1], hg_start=hs, hg_end=he,
+        tile_q=tq, tile_k=tk, tile_ptr=np.zeros(len(tq) + 1, np.int64), pieces=np.zeros((0, 6), np.int64),
+        piece_src=np.zeros(0, np.int64), tile_pairs=np.rint(tab.sums(tq, tk)).astype(np.int64),
+        cb_tile=cb_tile, cb_hg=cb_hg, kv_rep=kv_rep, tb_ptr=tb_ptr, span_start=ss, span_end=se, relation=True)
+    _TABLES[g] = tab
+    return built(g)
+
+
 def derive_tiles(problem, tb_start: np.ndarray, hg_start: np.ndarray, kv_rep: int, tb_ptr: np.ndarray | None = None,
-                 span_start: np.ndarray | None = None) -> BlockGraph:
+                 span_start: np.ndarray | None = None, span_end: np.ndarray | None = None) -> BlockGraph:
     """The graph that :func:`~attnplan.ir.graph.build_graph` (and, with spans,
-    :func:`group_graph`) make from these token blocks and head groups: what a
-    plan file need not store when its tiles are exactly these
+    :func:`grouped_graph`) make from these token blocks and head groups: what
+    a plan file need not store when its tiles are exactly these
     (:func:`tiles_derived`)."""
-    if tb_ptr is None or span_start is None:
+    if tb_ptr is None or span_start is None or span_end is None:
         return build_graph(problem, tb_start, len(hg_start), kv_rep, hg_starts=hg_start)
-    order = np.argsort(span_start, kind="stable")
-    fine = build_graph(problem, span_start[order], len(hg_start), kv_rep, hg_starts=hg_start)
-    if fine.n_tb != len(order):
-        raise PlanError("varlen groups: the spans do not partition the tokens")
-    block = np.repeat(np.arange(len(tb_ptr) - 1, dtype=np.int64), np.diff(tb_ptr))
-    return group_graph(fine, block[order])
+    return grouped_graph(problem, tb_ptr, span_start, span_end, hg_start, kv_rep)
 
 
 def tiles_derived(g: BlockGraph) -> bool:
@@ -157,7 +196,7 @@ def tiles_derived(g: BlockGraph) -> bool:
     if is_built(g):
         return True
     try:
-        d = derive_tiles(g.problem, g.tb_start, g.hg_start, g.kv_rep, g.tb_ptr, g.span_start)
+        d = derive_tiles(g.problem, g.tb_start, g.hg_start, g.kv_rep, g.tb_ptr, g.span_start, g.span_end)
     except PlanError:
         return False
     return all(_same(getattr(d, f), getattr(g, f)) for f in g.__dataclass_fields__ if f != "problem")

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PlanError
-from .graph import BlockGraph, build_graph
-from .groups import group_graph, group_home, varlen_groups
+from .graph import BlockGraph, block_bounds, build_graph, graph_head_groups
+from .groups import group_home, group_spans, grouped_graph, varlen_groups
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only (module.py imports this file)
     from .module import PlanIR
@@ -74,15 +74,23 @@ def segment_home(tb_start: np.ndarray, starts: np.ndarray, devices: np.ndarray) 
     return np.asarray(devices, np.int64)[np.searchsorted(starts, tb_start, "right") - 1]
 
 
-def _grouped(g: BlockGraph, home: np.ndarray, starts: np.ndarray, key: np.ndarray, limit: int):
-    """``g`` and ``home`` with the whole-segment blocks packed into varlen groups (see place_segments)."""
+def _grouped(ir: PlanIR, cuts: np.ndarray, head, starts: np.ndarray, devices: np.ndarray, key: np.ndarray,
+             limit: int) -> tuple[BlockGraph, np.ndarray]:
+    """The grouped graph and its homes (see place_segments): the contiguous
+    blocks at ``cuts`` are homed and packed into varlen groups before any
+    tile is made, so the pieces of the contiguous tiling are never enumerated
+    when the groups' tiles are relations (:func:`grouped_graph`)."""
     if key.shape != starts.shape:
         raise PlanError(f"placement: {key.shape} group keys for {starts.shape} segments")
-    seg = np.searchsorted(starts, g.tb_start, "right") - 1
-    seg_len = np.diff(np.append(starts, g.problem.tokens))
-    tb_key = np.where(g.tb_len == seg_len[seg], key[seg], -1)
-    group = varlen_groups(g.tb_len, home, tb_key, limit)
-    return group_graph(g, group), group_home(home, group)
+    p = ir.problem
+    tb_start, tb_end = block_bounds(p, cuts)
+    home = segment_home(tb_start, starts, devices)
+    seg = np.searchsorted(starts, tb_start, "right") - 1
+    group = varlen_groups(tb_end - tb_start, home, key[seg], limit)
+    n_hg, kv_rep, hg_starts = head
+    kv_rep, hs, _, _ = graph_head_groups(p, n_hg, kv_rep, hg_starts)
+    g = grouped_graph(p, *group_spans(tb_start, tb_end, group), hs, kv_rep)
+    return g, group_home(home, group)
 
 
 def q_home(graph: BlockGraph, home: np.ndarray) -> np.ndarray:
@@ -125,10 +133,11 @@ def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups:
        program are cleared (:meth:`PlanIR.with_levels`).
 
     ``group_key`` (one per segment) and ``group_tokens > 0``: after step 2,
-    the token blocks that are a whole segment with a key ``>= 0`` are packed
-    into varlen groups of at most ``group_tokens`` tokens per (device, key)
-    (:mod:`attnplan.ir.groups`); a strategy gives the same key only to
-    segments of different documents (per_doc: the chunk's column)."""
+    the token blocks of the segments with a key ``>= 0`` are packed into
+    varlen groups of at most ``group_tokens`` tokens per (device, key), in
+    position order (:mod:`attnplan.ir.groups`; the blocks of one segment
+    that land in one group merge into one span); a strategy gives the same
+    key only to segments of different documents (per_doc: the chunk's column)."""
     if ir.graph is None:
         raise PlanError("placement: no block graph to re-tile; run the tile pass first")
     starts = np.asarray(starts, np.int64)
@@ -139,11 +148,14 @@ def place_segments(ir: PlanIR, starts, devices, *, extra_cuts=None, head_groups:
         cuts.append(np.asarray(extra_cuts, np.int64))
     old = ir.graph
     keep = head_groups is None and kv_rep is None  # the graph's own head groups (class cuts included)
-    g = build_graph(ir.problem, np.concatenate(cuts), old.n_hg if head_groups is None else head_groups,
-                    old.kv_rep if kv_rep is None else kv_rep, hg_starts=old.hg_start if keep else None)
-    home = segment_home(g.tb_start, starts, devices)
+    head = (old.n_hg if head_groups is None else head_groups, old.kv_rep if kv_rep is None else kv_rep,
+            old.hg_start if keep else None)
     if group_key is not None and group_tokens > 0:
-        g, home = _grouped(g, home, starts, np.asarray(group_key, np.int64), group_tokens)
+        g, home = _grouped(ir, np.concatenate(cuts), head, starts, devices, np.asarray(group_key, np.int64),
+                           group_tokens)
+    else:
+        g = build_graph(ir.problem, np.concatenate(cuts), head[0], head[1], hg_starts=head[2])
+        home = segment_home(g.tb_start, starts, devices)
     cb_device = np.array((compute or q_home)(g, home), np.int64)  # a fresh array the Placement owns
     if cb_device.shape != (g.n_cb,):
         raise PlanError(f"placement: {cb_device.shape} compute devices for {g.n_cb} compute blocks")

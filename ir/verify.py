@@ -53,6 +53,7 @@ from .module import PlanIR
 from .placement import Placement
 from .problem import Problem
 from .program_check import check_shape as _shape
+from .relation import table
 from .program_check import fail as _fail
 from .program_check import first as _first
 from .program_check import verify_phase, verify_program
@@ -173,7 +174,10 @@ def _check_tile_index(g: BlockGraph) -> None:
     bad = _first((g.tile_q < 0) | (g.tile_q >= g.n_tb) | (g.tile_k < 0) | (g.tile_k >= g.n_tb))
     if bad is not None:
         _fail(2, f"tile {bad} names token blocks ({g.tile_q[bad]}, {g.tile_k[bad]}) outside 0..{g.n_tb - 1}")
-    if g.tile_ptr[0] != 0 or g.tile_ptr[-1] != len(g.pieces) or (np.diff(g.tile_ptr) <= 0).any():
+    if g.relation:
+        if len(g.pieces) or g.tile_ptr.any() or not g.grouped or g.problem.class_ptr is not None:
+            _fail(2, "a relation graph (graph.relation) has varlen groups, one mask class and no stored pieces")
+    elif g.tile_ptr[0] != 0 or g.tile_ptr[-1] != len(g.pieces) or (np.diff(g.tile_ptr) <= 0).any():
         _fail(2, "tile piece pointers are malformed")
     bad = _first((g.piece_src < 0) | (g.piece_src >= len(g.problem.pieces)))
     if bad is not None:
@@ -199,6 +203,33 @@ def _in_block(g: BlockGraph, lo: np.ndarray, hi: np.ndarray, tb: np.ndarray) -> 
     order = np.argsort(ss, kind="stable")
     i = order[(np.searchsorted(ss[order], lo, "right") - 1).clip(0)]
     return (lo >= ss[i]) & (hi <= se[i]) & (owner[i] == tb)
+
+
+def _check_relation(g: BlockGraph) -> None:
+    """Relation tiles (:mod:`attnplan.ir.relation`): the entry table rebuilt
+    from the blocks makes exactly these tiles with exactly these pair counts,
+    and they add up to the mask's pairs."""
+    ss, se, owner = g.spans()
+    t = table(g.problem, ss, se, owner, g.n_tb)
+    if t is None:
+        _fail(2, "graph.relation, but the mask is not one causal or full piece per document, a document meets a "
+                 "block in two intervals, or no order of the blocks has every document's rows in order")
+    tq, tk = t.tiles()
+    want, have = tq * g.n_tb + tk, g.tile_q * g.n_tb + g.tile_k
+    if not np.array_equal(want, have):
+        miss, extra = np.setdiff1d(want, have), np.setdiff1d(have, want)
+        what = (f"tile (q block, kv block) {divmod(int(miss[0]), g.n_tb)} is missing" if len(miss) else
+                f"tile {divmod(int(extra[0]), g.n_tb)} holds no pairs of the mask" if len(extra) else
+                "the tiles are not ordered by (q block, kv block)")
+        _fail(2, f"relation tiles: {what}")
+    pairs = np.rint(t.sums(tq, tk)).astype(np.int64)
+    bad = _first(pairs != g.tile_pairs)
+    if bad is not None:
+        _fail(2, f"relation tile {bad} (q=tb{tq[bad]}, kv=tb{tk[bad]}) has {g.tile_pairs[bad]} pairs; its "
+                 f"documents make {pairs[bad]}")
+    total = int(piece_counts(g.problem.pieces.a).sum())
+    if int(pairs.sum()) != total:
+        _fail(2, f"relation tiles cover {int(pairs.sum())} pairs, the mask has {total}")
 
 
 def _check_tile_pieces(g: BlockGraph) -> None:
@@ -277,7 +308,7 @@ def verify_graph(g: BlockGraph) -> None:
     _check_graph_shapes(g)
     _check_blocks(g)
     _check_tile_index(g)
-    _check_tile_pieces(g)
+    (_check_relation if g.relation else _check_tile_pieces)(g)
     _check_compute_blocks(g)
 
 

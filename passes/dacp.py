@@ -252,7 +252,7 @@ class Dacp(Pass):
     strategy = True
     bucket: int = 0     # C, tokens per device; 0 = max(ceil(slack * T / N), all-distributed need)
     slack: float = 1.1  # automatic bucket: allowed tokens per device over the even share T / N
-    varlen: int = -1    # tokens per varlen group (per_doc's option): -1 the tile pass's block, 0 none
+    varlen: int = -1    # tokens per varlen group (per_doc's option): -1 no cap, 0 no groups
 
     def __post_init__(self):
         if self.bucket < 0:
@@ -260,7 +260,7 @@ class Dacp(Pass):
         if not self.slack >= 1.0:
             raise PlanError(f"dacp: slack must be >= 1.0, got {self.slack}")
         if self.varlen < -1:
-            raise PlanError(f"dacp: varlen must be -1 (the block size), 0 (no groups) or tokens, got {self.varlen}")
+            raise PlanError(f"dacp: varlen must be -1 (no cap), 0 (no groups) or tokens, got {self.varlen}")
 
     def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
         """Segment starts and their devices (what :func:`place_segments` takes)."""

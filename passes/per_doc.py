@@ -14,11 +14,14 @@ the whole batch the token counts of any two devices differ by at most one.
 Compute runs where Q lives; KV travels (``comm`` moves only what is needed).
 
 Chunk ``c`` of every document lives on one device and plays the same part
-in each (a column of the chunk table): ``varlen`` packs the chunks of a
-column into varlen groups of up to a block of tokens (:mod:`attnplan.ir.groups`),
-one token block and one compute block per group pair — what
-TransformerEngine's THD attention runs as one varlen kernel call per ring
-step — instead of a block per chunk and a tile per (document, chunk pair).
+in each (a column of the chunk table): the chunks of a column are one varlen
+group (:mod:`attnplan.ir.groups`; ``varlen`` > 0 caps a group's tokens), one
+token block and one compute block per column pair — what TransformerEngine's
+THD attention runs as one varlen kernel call per ring step — instead of a
+block per chunk and a tile per (document, chunk pair). Under a causal or full
+mask the tiles are relations (:mod:`attnplan.ir.relation`): no piece per
+(document, chunk pair) is ever listed, so thousands of documents on hundreds
+of devices plan in seconds.
 
 The cost (WLB-LLM §3, Libra §3.3): short documents become chunks far shorter
 than the kernel's 128-row query tile, which a real kernel pays as whole
@@ -64,11 +67,11 @@ class PerDoc(Pass):
     name = "per_doc"
     needs = ("graph",)
     strategy = True
-    varlen: int = -1  # tokens per varlen group of chunks: -1 the tile pass's block (its longest block), 0 none
+    varlen: int = -1  # tokens per varlen group of chunks: -1 no cap (a group per column), 0 no groups
 
     def __post_init__(self):
         if self.varlen < -1:
-            raise PlanError(f"per_doc: varlen must be -1 (the block size), 0 (no groups) or tokens, got {self.varlen}")
+            raise PlanError(f"per_doc: varlen must be -1 (no cap), 0 (no groups) or tokens, got {self.varlen}")
 
     def chunks(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Segment starts, their devices and their chunk columns (0 .. 2N-1)."""

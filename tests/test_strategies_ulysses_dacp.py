@@ -142,18 +142,21 @@ def test_dacp_local_documents_move_nothing_distributed_span_all(mask):
     c = dacp_classify(p, n)
     local = np.flatnonzero(c.device >= 0)
     assert len(local) and len(c.distributed), "the batch should have both kinds"
-    tb_doc = doc_of(p, g.tb_start)
+    # per token: its document, its block (varlen groups hold spans of many documents), its device
+    tok_doc = np.repeat(np.arange(len(lens)), lens)
+    tok_block = np.empty(p.tokens, np.int64)
+    tok_block[g.block_rows(np.arange(g.n_tb))] = np.repeat(np.arange(g.n_tb), g.tb_len)
+    tok_home = pl.home[tok_block]
     # compute runs where Q lives
     assert np.array_equal(pl.cb_device, pl.home[g.cb_q])
-    # local: every token block on the document's device, no transfer touches it
+    # local: every token on the document's device, no transfer touches it
     for d in local.tolist():
-        assert (pl.home[tb_doc == d] == c.device[d]).all()
-    moved = ir.schedule.xfer[:, XTB]
-    assert not np.isin(tb_doc[moved], local).any()
+        assert (tok_home[tok_doc == d] == c.device[d]).all()
+    moved = np.isin(tok_block, ir.schedule.xfer[:, XTB])
+    assert not np.isin(tok_doc[moved], local).any()
     # distributed: each device holds its per-document zigzag share; documents of >= 2N tokens span all devices
     for d in c.distributed.tolist():
-        sel = tb_doc == d
-        held = np.bincount(pl.home[sel], weights=g.tb_len[sel], minlength=n).astype(np.int64)
+        held = np.bincount(tok_home[tok_doc == d], minlength=n)
         assert np.array_equal(held, zigzag_share(lens[d], n))
         if lens[d] >= 2 * n:
             assert (held > 0).all()

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import attnplan
 from attnplan.errors import PlanError, PlanFileError, VerifyError
 from attnplan.ir.groups import group_graph, ungroup, varlen_groups
+from attnplan.ir.mask import piece_counts
 from attnplan.ir.verify import verify
 from attnplan.passes.per_doc import per_doc_chunks
 from attnplan.runtime.check import random_inputs, reference
@@ -68,15 +69,19 @@ def test_groups_change_blocks_not_homes_or_work(strategy):
     assert a.stats()["per_device"]["pairs"] == b.stats()["per_device"]["pairs"]
     assert ga.n_cb < gb.n_cb and ga.n_tb < gb.n_tb
     assert len(a.ir.program.transfers) <= len(b.ir.program.transfers)
-    assert len(ga.pieces) == len(gb.pieces)  # the same mask pieces, grouped
+    pa, pb = _all_pieces(ga), _all_pieces(gb)  # a chunk cut at a block edge is one span in its group
+    assert len(pa) <= len(pb) and piece_counts(pa).sum() == piece_counts(pb).sum() == ga.problem.pairs() // 4
 
 
-def test_per_doc_groups_are_chunk_columns():
-    """A group holds chunks of one column (one device, one part) and at most ``block`` tokens."""
+@pytest.mark.parametrize("varlen", [-1, 40])
+def test_per_doc_groups_are_chunk_columns(varlen):
+    """A group holds chunks of one column (one device, one part): all of them by default, else at
+    most ``varlen`` tokens (a longer chunk alone)."""
     lens = [50, 7, 120, 3, 64, 64]
     devices, block = 3, 40
-    plan = _compile(lens, devices, block=block)
+    plan = _compile(lens, devices, pipeline=f"tile{{block={block}}},per_doc{{varlen={varlen}}},comm,emit")
     g, home = plan.ir.graph, plan.ir.placement.home
+    assert g.n_tb == 2 * devices if varlen == -1 else g.n_tb > 2 * devices
     sizes, dev = per_doc_chunks(np.array(lens), devices)
     off = np.concatenate([[0], np.cumsum(lens)])
     col = np.full(sum(lens), -1)
@@ -85,7 +90,7 @@ def test_per_doc_groups_are_chunk_columns():
     for b in range(g.n_tb):
         rows = g.block_rows(np.array([b]))
         assert len(np.unique(col[rows])) == 1 and dev[col[rows[0]]] == home[b]
-        assert len(rows) <= block or g.tb_ptr[b + 1] - g.tb_ptr[b] == 1
+        assert varlen == -1 or len(rows) <= varlen or g.tb_ptr[b + 1] - g.tb_ptr[b] == 1
 
 
 def test_varlen_groups_pack_in_order_under_the_limit():
@@ -118,6 +123,12 @@ def test_ungroup_maps_every_pair_to_its_compute_block():
 
 
 # -- the verifier ------------------------------------------------------------------------------------
+
+def _all_pieces(g) -> np.ndarray:
+    """Every tile's pieces (made on demand for relation tiles), sorted: the mask pieces a plan computes."""
+    P = np.concatenate([g.tile_pieces(t) for t in range(g.n_tile)])
+    return P[np.lexsort(P.T[::-1])]
+
 
 @pytest.fixture(scope="module")
 def grouped():
@@ -192,9 +203,12 @@ def test_grouped_plan_file_round_trips_and_refuses_crafted_spans(grouped):
             attnplan.Plan.from_bytes(_crafted(grouped, edit))
 
 
-def test_crafted_spans_of_a_file_with_explicit_tiles_are_refused(grouped):
-    """A file that stores its tiles is checked the same: bad span pointers are one clear error, no IndexError."""
+def test_crafted_spans_of_a_file_with_explicit_tiles_are_refused():
+    """A file that stores its tiles is checked the same: bad span pointers are one clear error, no IndexError
+    (a sliding window is not a relation mask: its grouped tiles store their pieces)."""
     from attnplan.backends.planfile import _arr  # the writer's own array encoding
+    grouped = _compile([300, 5, 17, 900, 64, 1, 3, 250], 4, 2, mask="sliding_window(40)").ir
+    assert grouped.graph.grouped and not grouped.graph.relation
     explicit = attnplan.Plan.from_bytes(_crafted(grouped, lambda gb: None, derive=False))
     assert explicit.to_bytes() == attnplan.Plan(grouped, META).to_bytes()
     full = grouped.graph.tb_ptr
@@ -206,8 +220,9 @@ def test_crafted_spans_of_a_file_with_explicit_tiles_are_refused(grouped):
                 attnplan.Plan.from_bytes(_crafted(grouped, lambda gb, v=values: gb.update(tb_ptr=_arr(v)), derive))
 
 
-def test_derived_tiles_with_stored_tiles_are_refused(grouped):
+def test_derived_tiles_with_stored_tiles_are_refused():
     from attnplan.backends.planfile import to_body
+    grouped = _compile([300, 5, 17, 900, 64, 1, 3, 250], 4, 2, mask="sliding_window(40)").ir
     tile_q = to_body(grouped, META, derive=False)["graph"]["tile_q"]
     with pytest.raises(PlanFileError, match="derived.* also stores tile_q"):
         attnplan.Plan.from_bytes(_crafted(grouped, lambda gb: gb.update(tile_q=tile_q)))
@@ -250,7 +265,7 @@ def test_the_tile_pass_graphs_are_what_their_blocks_rebuild(strategy):
             assert "not supported" in str(e)
             continue
         assert is_built(g)
-        d = derive_tiles(g.problem, g.tb_start, g.hg_start, g.kv_rep, g.tb_ptr, g.span_start)
+        d = derive_tiles(g.problem, g.tb_start, g.hg_start, g.kv_rep, g.tb_ptr, g.span_start, g.span_end)
         for f in g.__dataclass_fields__:
             a, b = getattr(g, f), getattr(d, f)
             if isinstance(a, np.ndarray):
@@ -272,14 +287,18 @@ def test_a_changed_graph_is_checked_by_rebuilding(grouped):
 
 
 def test_per_document_sharding_over_the_piece_limit_is_refused_before_it_allocates(monkeypatch):
-    """per_doc lists a piece per (document, q chunk, kv chunk): over MAX_TILE_PIECES it stops with a
-    PlanError that says why, counted before the rows exist."""
+    """Under a mask that is not one causal or full piece per document, per_doc lists a piece per
+    (document, q chunk, kv chunk): over MAX_TILE_PIECES it stops with a PlanError that says why,
+    counted before the rows exist. Under causal the tiles are relations: no piece is listed."""
     from attnplan.ir import graph as graph_mod
     monkeypatch.setattr(graph_mod, "MAX_TILE_PIECES", 2_000)
     lens = [40] * 30  # 30 documents x (16 x 17 / 2) causal chunk pairs on 8 devices = 4,080 pieces
-    with pytest.raises(PlanError, match=r"tiling would make 4,080 \(mask piece, tile\) rows, over the limit of "
+    with pytest.raises(PlanError, match=r"tiling would make [\d,]+ \(mask piece, tile\) rows, over the limit of "
                                         r"2,000 .*per_doc.* 2 x devices chunks"):
         attnplan.compile(seqlens=lens, devices=8, strategy="per_doc", block_size=64, heads=4, kv_heads=2,
-                         head_dim=8)
+                         head_dim=8, mask="causal & (k - q) % 7 != 3")
+    g = attnplan.compile(seqlens=lens, devices=8, strategy="per_doc", block_size=64, heads=4, kv_heads=2,
+                         head_dim=8).ir.graph
+    assert g.relation and len(_all_pieces(g)) == 4_080
     assert attnplan.compile(seqlens=lens, devices=8, strategy="minheap", block_size=64, heads=4, kv_heads=2,
                             head_dim=8).ir.graph is not None  # a strategy that does not cut every document

@@ -217,9 +217,13 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     building anything (per_doc on 4M tokens at 32 devices: 4 s to fail
     otherwise). ``grouped``: the strategy packs its segments into varlen
     groups (ir/groups.py), so its compute blocks are not counted per q block:
-    one launch per device with work, and no refusal by count."""
+    one launch per device with work, and no refusal by count; and a
+    segment's blocks merge into one span of its group, so the pieces are
+    cut at the segment starts only (coarser pieces only lower the bound: a
+    piece of r rows, cut into pieces of fewer rows, rounds each up)."""
     g, n = tiled.need_graph(), tiled.devices
-    cuts = unique(np.concatenate([g.tb_start, np.asarray(starts, np.int64), [tiled.problem.tokens]]))
+    cuts = unique(np.concatenate([g.tb_start[:0] if grouped else g.tb_start, np.asarray(starts, np.int64),
+                                  [tiled.problem.tokens]]))
     p = tiled.problem
     rows, src, qb = q_block_rows(p.pieces.a, cuts[:-1], cuts[1:])
     dev = segment_home(cuts[:-1], np.asarray(starts, np.int64), np.asarray(devices, np.int64))
