@@ -43,9 +43,9 @@ def varlen_groups(tb_len: np.ndarray, home: np.ndarray, key: np.ndarray, limit: 
     cand = np.flatnonzero(np.asarray(key) >= 0)
     if len(cand) and limit >= int(tb_len[cand].sum()):  # no cap: one group per (home, key)
         order = cand[np.lexsort((cand, key[cand], home[cand]))]
-        lead = np.ones(len(order), bool)
-        lead[1:] = (home[order[1:]] != home[order[:-1]]) | (key[order[1:]] != key[order[:-1]])
-        grp[order] = order[np.flatnonzero(lead)][np.cumsum(lead) - 1]
+        new = np.ones(len(order), bool)
+        new[1:] = (home[order[1:]] != home[order[:-1]]) | (key[order[1:]] != key[order[:-1]])
+        grp[order] = order[np.flatnonzero(new)][np.cumsum(new) - 1]
     elif len(cand):
         order = cand[np.lexsort((cand, key[cand], home[cand]))]
         same = np.zeros(len(order), bool)

@@ -89,7 +89,8 @@ def _grouped(ir: PlanIR, cuts: np.ndarray, head, starts: np.ndarray, devices: np
     group = varlen_groups(tb_end - tb_start, home, key[seg], limit)
     n_hg, kv_rep, hg_starts = head
     kv_rep, hs, _, _ = graph_head_groups(p, n_hg, kv_rep, hg_starts)
-    g = grouped_graph(p, *group_spans(tb_start, tb_end, group), hs, kv_rep)
+    tb_ptr, span_start, span_end = group_spans(tb_start, tb_end, group)
+    g = grouped_graph(p, tb_ptr, span_start, span_end, hs, kv_rep)
     return g, group_home(home, group)
 
 

@@ -25,6 +25,8 @@ check of :func:`attnplan.ir.interp.check_deadlock_free`.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import numpy as np
 
 from ..errors import DeadlockError, VerifyError
@@ -98,7 +100,7 @@ NEVER = np.iinfo(np.int64).max
 _INV_OF_OP = {RECV: 5, SEND: 5, WAIT: 5, ATTN: 3, ATTN_BWD: 3, MERGE: 4, ADD: 4}
 
 
-def fail(inv: int, msg: str, context: str = "") -> None:
+def fail(inv: int, msg: str, context: str = "") -> NoReturn:
     raise VerifyError(f"invariant {inv}: {msg}" + (f"\n{context}" if context else ""))
 
 

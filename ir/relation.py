@@ -41,6 +41,7 @@ from .mask import HI, K0, K1, LO, Q0, Q1, tighten
 
 CAUSAL, FULL = 0, 1
 MAX_TABLE = 1 << 24  # documents x blocks of the dense table (128 MB of float64); larger graphs enumerate pieces
+MAX_BLOCKS = 4096    # blocks of a relation graph (its block x block products: 128 MB each)
 
 
 def doc_kinds(problem) -> tuple[np.ndarray, np.ndarray] | None:
@@ -120,6 +121,7 @@ class Table:
         self.causal = kind[used] == CAUSAL
         self.S = np.zeros((len(used), len(lev)))
         self.S[self.row, self.block] = self.end - self.start
+        self._cache: dict = {}
 
     def _side(self, causal: bool, tile_q: int | None) -> tuple[np.ndarray, np.ndarray]:
         S = self.S[self.causal == causal]
@@ -140,18 +142,21 @@ class Table:
     def sums(self, tq: np.ndarray, tk: np.ndarray, tile_q: int | None = None) -> np.ndarray:
         """Allowed pairs of every tile ``(tq, tk)`` — with each piece's query
         rows rounded up to ``tile_q`` when given (exact integers)."""
-        out = np.zeros(len(tq))
-        diag = tq == tk
-        for causal in (True, False):
-            R, S = self._side(causal, tile_q)
-            if not len(S):
-                continue
-            full = (R.T @ S)[tq, tk]
-            if causal:
-                tri = (R * (S + 1) / 2).sum(0)  # each causal triangle: S(S+1)/2 pairs of S rows
-                full = np.where(diag, tri[tq], np.where(self.lev[tk] < self.lev[tq], full, 0.0))
-            out += full
-        return out
+        full, tri = self._products(tile_q)
+        causal = np.where(tq == tk, tri[tq], np.where(self.lev[tk] < self.lev[tq], full[0][tq, tk], 0.0))
+        return causal + full[1][tq, tk]
+
+    def _products(self, tile_q: int | None) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+        """((R^T S of the causal documents, of the full ones), the causal diagonal sums), made once per
+        ``tile_q`` (the cost model asks for its kernel tile on every simulation)."""
+        if tile_q not in self._cache:
+            full = []
+            for causal in (True, False):
+                R, S = self._side(causal, tile_q)
+                full.append(R.T @ S)
+            R, S = self._side(True, tile_q)
+            self._cache[tile_q] = (full[0], full[1]), (R * (S + 1) / 2).sum(0)  # a causal triangle: S(S+1)/2
+        return self._cache[tile_q]
 
 
 def table(problem, ss: np.ndarray, se: np.ndarray, owner: np.ndarray, n_blocks: int) -> Table | None:
@@ -160,7 +165,7 @@ def table(problem, ss: np.ndarray, se: np.ndarray, owner: np.ndarray, n_blocks: 
     block in two intervals, the blocks have no consistent order, or the dense
     table would be over MAX_TABLE entries."""
     dk = doc_kinds(problem)
-    if dk is None or not len(ss) or n_blocks * n_blocks > MAX_TABLE:
+    if dk is None or not len(ss) or n_blocks > MAX_BLOCKS:
         return None
     doc, block, start, end = entries(problem.offsets, ss, se, owner)
     if len(np.unique(doc)) * n_blocks > MAX_TABLE:

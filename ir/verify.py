@@ -5,7 +5,9 @@
    partition the token axis, head groups the kv heads, every tile piece lies
    inside its tile and inside the mask piece it came from, those pieces add up
    to every mask piece's pair count, and every (tile, head group) is one
-   compute block, run exactly once by the program.
+   compute block, run exactly once by the program. Relation tiles (no
+   stored pieces, ir/relation.py): the entry table rebuilt from the blocks
+   makes exactly these tiles and pair counts, summing to the mask's.
 3. A compute block's Q and KV are on its device before it runs: owned, or
    received in a message whose wait came first. The schedule moves exactly
    the blocks a device needs, each once.
