@@ -52,6 +52,17 @@ def test_relation_tiles_are_the_enumerated_tiles(lens, devices, strategy, mask, 
         assert np.array_equal(a[0], b[0]) and a[1:] == b[1:]
 
 
+@pytest.mark.parametrize("strategy", ["per_doc", "dacp"])
+def test_relation_plans_with_head_groups_equal_dense_attention(strategy):
+    """Head groups multiply the compute blocks, not the tiles; the plan still equals dense attention."""
+    from attnplan.runtime.check import check_plan
+    plan = _compile([120, 7, 33, 2, 64, 9], 3, pipeline=f"tile{{block=16,head_groups=2}},{strategy},comm,emit")
+    g = plan.ir.graph
+    assert g.relation and g.n_hg == 2 and g.n_cb == 2 * g.n_tile
+    res = check_plan(plan, "float32")
+    assert res["ok"], res
+
+
 def test_a_relation_plan_is_verified_runs_and_round_trips():
     plan = _compile([300, 5, 17, 900, 64, 1, 3, 250], 4, nodes=2)
     g = plan.ir.graph
