@@ -137,7 +137,10 @@ def ungroup(g: BlockGraph) -> tuple[BlockGraph, np.ndarray]:
     plan draws position by position."""
     ss, _, owner = g.spans()
     order = np.argsort(ss, kind="stable")
-    fine = build_graph(g.problem, ss[order], g.n_hg, g.kv_rep, hg_starts=g.hg_start)
+    try:
+        fine = build_graph(g.problem, ss[order], g.n_hg, g.kv_rep, hg_starts=g.hg_start)
+    except PlanError as e:  # a relation graph's pieces were never listed: here they would be
+        raise PlanError(f"this plan is drawn span by span, one tile per pair of spans: {e}") from None
     block = owner[order]  # the group of each fine block
     n = g.n_tb
     key = (g.tile_class * n + g.tile_q) * n + g.tile_k

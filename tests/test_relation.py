@@ -147,3 +147,14 @@ def test_per_doc_plans_many_documents_on_many_devices_without_pieces():
     g = plan.ir.graph
     assert g.relation and g.n_tb == 128 and g.n_tile == 128 * 129 // 2
     assert g.tile_pairs.sum() == sum(n * (n + 1) // 2 for n in lens)
+
+
+def test_a_picture_too_large_to_draw_span_by_span_says_so(monkeypatch):
+    from attnplan.errors import PlanError
+    from attnplan.ir import graph as graph_mod
+    from attnplan.ir.groups import ungroup
+    g = _compile([40] * 30, 8, block=64).ir.graph
+    assert g.relation
+    monkeypatch.setattr(graph_mod, "MAX_TILE_PIECES", 2_000)
+    with pytest.raises(PlanError, match=r"drawn span by span.*tiling would make 4,080 "):
+        ungroup(g)
