@@ -34,7 +34,7 @@ import zlib
 import msgpack
 import numpy as np
 
-from ..errors import AttnplanError, PlanError, PlanFileError
+from ..errors import AttnplanError, PlanFileError
 from ..ir import limits as L
 from ..ir.groups import tiles_derived
 from ..ir.module import PlanIR
@@ -116,8 +116,8 @@ def _graph_body(g, derive: bool = True) -> dict:
     :func:`attnplan.ir.groups.derive_tiles`) — most of a plan's bytes."""
     derived = (derive or g.relation) and tiles_derived(g)
     if g.relation and not derived:  # relation tiles store no pieces: only their blocks can say what they are
-        raise PlanError("a graph with relation tiles is stored only as derived tiles, and these are not what its "
-                        "blocks make")
+        raise PlanFileError("cannot write a plan file: a graph with relation tiles is stored only as derived tiles, "
+                            "and these are not what its blocks make")
     fields = schema.BLOCK_FIELDS if derived else schema.GRAPH_FIELDS
     return {**{f: _arr(getattr(g, f)) for f in fields},
             **({"kv_rep": g.kv_rep} if g.kv_rep != 1 else {}),  # absent: 1

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import PlanError
 from .graph import _TABLES, BlockGraph, _compute_blocks, build_graph, built, graph_head_groups, is_built
+from .limits import MAX_TILE_PIECES
 from .relation import table
 
 
@@ -162,6 +163,13 @@ def grouped_graph(problem, tb_ptr: np.ndarray, span_start: np.ndarray, span_end:
     tb_ptr, ss, se = (np.asarray(a, np.int64) for a in (tb_ptr, span_start, span_end))
     n = len(tb_ptr) - 1
     owner = np.repeat(np.arange(n, dtype=np.int64), np.diff(tb_ptr))
+    # adjacent spans of a block are one span (as group_graph makes them): a block's rows have one form
+    first = np.ones(len(ss), bool)
+    first[1:] = (owner[1:] != owner[:-1]) | (ss[1:] != se[:-1])
+    if not first.all():
+        last = np.append(np.flatnonzero(first)[1:], len(ss)) - 1
+        ss, se, owner = ss[first], se[last], owner[first]
+        tb_ptr = np.searchsorted(owner, np.arange(n + 1)).astype(np.int64)
     tab = table(problem, ss, se, owner, n)
     if tab is None:
         order = np.argsort(ss, kind="stable")
@@ -171,6 +179,9 @@ def grouped_graph(problem, tb_ptr: np.ndarray, span_start: np.ndarray, span_end:
         return group_graph(fine, owner[order])
     kv_rep, hs, he, hg_class = graph_head_groups(problem, len(hg_start), kv_rep, hg_start)
     tq, tk = tab.tiles()
+    if len(tq) * len(hs) > MAX_TILE_PIECES:  # each tile holds a piece at least: the enumerated tiling's limit
+        raise PlanError(f"varlen groups: {len(tq):,} tiles x {len(hs)} head groups, over the limit of "
+                        f"{MAX_TILE_PIECES:,} (ir/limits.py MAX_TILE_PIECES)")
     cb_tile, cb_hg = _compute_blocks(np.zeros(len(tq), np.int64), hg_class)
     g = BlockGraph(
         problem=problem, tb_start=ss[tb_ptr[:-1]], tb_end=se[tb_ptr[1:] - 1], hg_start=hs, hg_end=he,

@@ -41,7 +41,9 @@ from .mask import HI, K0, K1, LO, Q0, Q1, tighten
 
 CAUSAL, FULL = 0, 1
 MAX_TABLE = 1 << 24  # documents x blocks of the dense table (128 MB of float64); larger graphs enumerate pieces
-MAX_BLOCKS = 4096    # blocks of a relation graph (its block x block products: 128 MB each)
+MAX_BLOCKS = 2048    # blocks of a relation graph (its block x block products: 32 MB each)
+MAX_PRODUCT = 1 << 31  # documents x blocks² of one table product (~1 s here); per_doc on 4M tokens at 256
+#                        devices: 2,597 x 512² = 0.68G, dacp 2,597 x 768² = 1.5G
 
 
 def doc_kinds(problem) -> tuple[np.ndarray, np.ndarray] | None:
@@ -163,12 +165,14 @@ def table(problem, ss: np.ndarray, se: np.ndarray, owner: np.ndarray, n_blocks: 
     """The entry table of the blocks whose spans are ``(ss, se, owner)``, or
     None when the mask is not per-document causal/full, a document meets a
     block in two intervals, the blocks have no consistent order, or the dense
-    table would be over MAX_TABLE entries."""
+    table would be over MAX_TABLE entries or its products over MAX_PRODUCT
+    multiply-adds (the pieces are then enumerated, under MAX_TILE_PIECES)."""
     dk = doc_kinds(problem)
     if dk is None or not len(ss) or n_blocks > MAX_BLOCKS:
         return None
     doc, block, start, end = entries(problem.offsets, ss, se, owner)
-    if len(np.unique(doc)) * n_blocks > MAX_TABLE:
+    docs = len(np.unique(doc))
+    if docs * n_blocks > MAX_TABLE or docs * n_blocks * n_blocks > MAX_PRODUCT:
         return None
     lev = levels(doc, block, n_blocks)
     return None if lev is None else Table(dk[0], dk[1], doc, block, start, end, lev)

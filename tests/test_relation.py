@@ -158,3 +158,36 @@ def test_a_picture_too_large_to_draw_span_by_span_says_so(monkeypatch):
     monkeypatch.setattr(graph_mod, "MAX_TILE_PIECES", 2_000)
     with pytest.raises(PlanError, match=r"drawn span by span.*tiling would make 4,080 "):
         ungroup(g)
+
+
+def _crafted_groups(T: int, mask: str, spans) -> bytes:
+    """A plan file of one ``mask`` document of ``T`` tokens whose graph is the groups ``spans`` (lists of
+    (start, end), one list per block) — header and checksum valid, the rest as crafted."""
+    from attnplan.backends.planfile import _arr, pack_body, to_body
+    plan = _compile([40, 30], 2, block=16)
+    body = to_body(plan.ir, {"pipeline": "x", "strategy": "per_doc", "block_size": 32, "profile": "h100"})
+    body["problem"]["seqlens"] = _arr(np.array([T]))
+    body["problem"]["pieces"] = _arr(np.array([[0, T, 0, T, -(T - 1), T - 1 if mask == "full" else 0]]))
+    flat = [x for block in spans for x in block]
+    g = body["graph"]
+    g["tb_ptr"] = _arr(np.cumsum([0] + [len(b) for b in spans]))
+    g["span_start"], g["span_end"] = _arr(np.array([a for a, _ in flat])), _arr(np.array([b for _, b in flat]))
+    g["tb_start"], g["tb_end"] = _arr(np.array([b[0][0] for b in spans])), _arr(np.array([b[-1][1] for b in spans]))
+    return pack_body(body)
+
+
+def test_a_crafted_file_of_many_tiny_groups_is_refused_before_it_allocates(monkeypatch):
+    from attnplan.errors import PlanFileError
+    from attnplan.ir import groups
+    monkeypatch.setattr(groups, "MAX_TILE_PIECES", 50_000)
+    data = _crafted_groups(300, "full", [[(i, i + 1)] for i in range(300)])  # 90,000 relation tiles
+    with pytest.raises(PlanFileError, match=r"90,000 tiles x 1 head groups, over the limit of 50,000"):
+        attnplan.Plan.from_bytes(data)
+
+
+def test_a_crafted_file_with_a_span_cut_in_two_is_refused():
+    """Adjacent spans of one block are one span: a file that cuts one is not what its blocks make
+    (as for enumerated groups), so every relation plan has one byte form."""
+    from attnplan.errors import PlanFileError
+    with pytest.raises(PlanFileError, match="span_start is not what its blocks make"):
+        attnplan.Plan.from_bytes(_crafted_groups(50, "causal", [[(0, 20), (20, 30)], [(30, 50)]]))
