@@ -163,13 +163,10 @@ def grouped_graph(problem, tb_ptr: np.ndarray, span_start: np.ndarray, span_end:
     tb_ptr, ss, se = (np.asarray(a, np.int64) for a in (tb_ptr, span_start, span_end))
     n = len(tb_ptr) - 1
     owner = np.repeat(np.arange(n, dtype=np.int64), np.diff(tb_ptr))
-    # adjacent spans of a block are one span (as group_graph makes them): a block's rows have one form
-    first = np.ones(len(ss), bool)
-    first[1:] = (owner[1:] != owner[:-1]) | (ss[1:] != se[:-1])
-    if not first.all():
-        last = np.append(np.flatnonzero(first)[1:], len(ss)) - 1
-        ss, se, owner = ss[first], se[last], owner[first]
-        tb_ptr = np.searchsorted(owner, np.arange(n + 1)).astype(np.int64)
+    if ((owner[1:] == owner[:-1]) & (ss[1:] == se[:-1])).any():  # a block's adjacent spans are one (as
+        order = np.argsort(ss, kind="stable")                    # group_graph makes them): one form per plan
+        tb_ptr, ss, se = group_spans(ss[order], se[order], owner[order])
+        owner = np.repeat(np.arange(n, dtype=np.int64), np.diff(tb_ptr))
     tab = table(problem, ss, se, owner, n)
     if tab is None:
         order = np.argsort(ss, kind="stable")

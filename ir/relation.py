@@ -130,15 +130,12 @@ class Table:
         return (S if tile_q is None else np.ceil(S / tile_q) * tile_q), S
 
     def tiles(self) -> tuple[np.ndarray, np.ndarray]:
-        """(q block, kv block) of every tile, by q block then kv block."""
-        hit = np.zeros((len(self.lev),) * 2, bool)
-        for causal in (True, False):
-            P = (self._side(causal, None)[1] > 0).astype(np.float64)
-            shared = (P.T @ P) > 0
-            if causal:
-                shared &= (self.lev[None, :] < self.lev[:, None]) | np.eye(len(self.lev), dtype=bool)
-            hit |= shared
-        q, k = np.nonzero(hit)
+        """(q block, kv block) of every tile, by q block then kv block: the pairs with a shared
+        document (``S^T S > 0``, as ``S >= 0``), kv level below q level or the same block when causal."""
+        (causal, full), _ = self._products(None)
+        hit = (causal > 0) & (self.lev[None, :] < self.lev[:, None])
+        np.fill_diagonal(hit, np.diagonal(causal) > 0)
+        q, k = np.nonzero(hit | (full > 0))
         return q.astype(np.int64), k.astype(np.int64)
 
     def sums(self, tq: np.ndarray, tk: np.ndarray, tile_q: int | None = None) -> np.ndarray:
@@ -152,12 +149,8 @@ class Table:
         """((R^T S of the causal documents, of the full ones), the causal diagonal sums), made once per
         ``tile_q`` (the cost model asks for its kernel tile on every simulation)."""
         if tile_q not in self._cache:
-            full = []
-            for causal in (True, False):
-                R, S = self._side(causal, tile_q)
-                full.append(R.T @ S)
-            R, S = self._side(True, tile_q)
-            self._cache[tile_q] = (full[0], full[1]), (R * (S + 1) / 2).sum(0)  # a causal triangle: S(S+1)/2
+            (R, S), (Rf, Sf) = self._side(True, tile_q), self._side(False, tile_q)
+            self._cache[tile_q] = (R.T @ S, Rf.T @ Sf), (R * (S + 1) / 2).sum(0)  # a causal triangle: S(S+1)/2
         return self._cache[tile_q]
 
 
