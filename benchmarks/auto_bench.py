@@ -8,7 +8,9 @@ repeat running, one after the other:
 * the exhaustive search: compile every strategy alone (its compile seconds)
   — and at 32 devices every p2p strategy also without node relays
   (``name:direct``), as auto tries them — and simulate it (its predicted time); the one with the lowest predicted
-  time is the exhaustive choice (ties by name, as ``auto``);
+  time is the exhaustive choice (ties: the lower estimate, then the name —
+  ``attnplan.tools.auto.choice_key``, as ``auto``; the estimate is taken
+  from the compiled plan, outside the timed compile);
 * ``compile(strategy="auto")`` (tools/auto.py), timed the same way.
 
 Prints one line per case: both choices; auto's time (median of the
@@ -45,6 +47,7 @@ import attnplan
 from attnplan.api import default_pipeline
 from attnplan.backends.cost import simulate
 from attnplan.passes import REGISTRY
+from attnplan.tools.auto import candidate_estimate, choice_key, estimate, has_direct
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(heads=8, kv_heads=2, head_dim=128, block_size=2048)
@@ -68,9 +71,13 @@ def candidates(devices: int) -> list[str]:
 
 
 def exhaustive(seqlens, devices: int, mask: str) -> dict:
-    """Every candidate compiled alone and simulated: {name: {compile_s, simulate_s, predicted_s} or error}."""
+    """Every candidate compiled alone and simulated: {name: {compile_s, simulate_s, predicted_s} or error};
+    ``name:direct`` only where it is another plan than ``name`` (``has_direct``, as auto)."""
     out: dict = {}
     for name in candidates(devices):
+        base = out.get(name.partition(":")[0], {})
+        if name.endswith(":direct") and not base.get("has_direct", False):
+            continue
         t = time.perf_counter()
         try:
             plan = compile_(seqlens, devices, mask, name)
@@ -80,7 +87,10 @@ def exhaustive(seqlens, devices: int, mask: str) -> dict:
         c = time.perf_counter() - t
         t = time.perf_counter()
         pred = simulate(plan.ir, plan.profile)["predicted_s"]
-        out[name] = {"compile_s": c, "simulate_s": time.perf_counter() - t, "predicted_s": pred}
+        out[name] = {"compile_s": c, "simulate_s": time.perf_counter() - t, "predicted_s": pred,
+                     "estimate_s": candidate_estimate(plan.ir, name, plan.profile),
+                     "has_direct": ":" not in name and has_direct(name, estimate(plan.ir, plan.profile,
+                                                                                 REGISTRY[name].default_comm))}
     return out
 
 
@@ -105,7 +115,7 @@ def run_case(b: dict, devices: int, mask: str, repeats: int) -> dict:
         if "error" not in r:
             ex[name]["simulate_s"] = statistics.median(x[name]["simulate_s"] for x in ex_runs)
     ok = {n: r for n, r in ex.items() if "error" not in r}
-    best = min(ok, key=lambda n: (ok[n]["predicted_s"], n))
+    best = min(ok, key=lambda n: choice_key(ok[n]["predicted_s"], ok[n]["estimate_s"], n))
     chosen = meta["strategy"].split(":", 1)[1]
     compiled = sorted(meta["candidates"])
     slow_all = max(ok, key=lambda n: ex[n]["compile_s"])
@@ -132,7 +142,7 @@ def margin_rule(rows: list[dict], keep: int = 2, margins=(0.0, 0.1, 0.25, 0.5)) 
         for r in rows:
             est = sorted(r["estimates"].items(), key=lambda kv: (kv[1], kv[0]))
             sim = [n for i, (n, e) in enumerate(est) if i < keep or e <= est[0][1] * (1 + m)]
-            agree += min(sim, key=lambda n: (r["predicted"][n], n)) == r["exhaustive"]
+            agree += min(sim, key=lambda n: choice_key(r["predicted"][n], r["estimates"][n], n)) == r["exhaustive"]
             sims.append(len(sim))
         lines.append(f"  margin {m:<4g} keep {keep}: same choice {agree}/{len(rows)}, simulates "
                      f"{statistics.mean(sims):.2f} strategies on average (max {max(sims)})")

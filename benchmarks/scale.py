@@ -196,6 +196,28 @@ def fmt_row(r: dict) -> str:
             f"{r['pred_over_lb']:>8.2f} {r['compute_blocks']:>8}{chosen}{verdict}")
 
 
+def ratio_lines(rows: list[dict]) -> None:
+    """Issue 9's rule for auto on the suite: per (batch, devices) where auto
+    and other strategies ran, auto's time over the slowest other strategy's
+    (each compiled alone, in this run)."""
+    cases: dict = {}
+    for r in rows:
+        if "error" not in r and "plan_s" in r:
+            cases.setdefault((r["batch"], r["devices"]), {})[r["strategy"]] = r["plan_s"]
+    ratios = []
+    for key, times in cases.items():
+        others = {s: t for s, t in times.items() if s != "auto"}
+        if "auto" in times and others:
+            slow = max(others, key=others.get)
+            ratios.append((times["auto"] / others[slow], key, slow))
+    if not ratios:
+        return
+    worst = max(ratios)
+    print(f"\nauto / the slowest strategy compiled alone: {sum(x <= 2.0 for x, _, _ in ratios)}/{len(ratios)} "
+          f"within 2x, median {statistics.median(x for x, _, _ in ratios):.2f}, worst {worst[0]:.2f} "
+          f"({worst[1][0]} x{worst[1][1]}, slowest {worst[2]})")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches-file", dest="batches", default=str(ROOT.parent / "shared" / "workloads" / "batches.jsonl"))
@@ -249,6 +271,7 @@ def main(argv=None) -> int:
         b = "-" if e["tokens"] is None else f"{e['tokens']:.2f}"
         c = "-" if e["devices"] is None else f"{e['devices']:.2f}"
         print(f"  {s:<10} tokens {b:>5}  devices {c:>5}  ({e['cases']} planned cases)")
+    ratio_lines(rows)
     planned = [r for r in rows if "error" not in r]
     within = sum(r["ok"] for r in planned)
     print(f"\n{within}/{len(rows)} cases planned within {LIMITS['plan_s']:g} s ({SHORT}: 5 s), "

@@ -82,14 +82,16 @@ def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: 
     if not locality:
         qbytes[:] = 0.0
         kvbytes[:] = 0.0
-    # weighted bytes of shipping a key's Q (+ partial O back) / KV to each device
+    # weighted bytes of shipping a key's Q (+ partial O back) / KV to each device, 0 where the device already
+    # holds it (owned, or shipped there for an earlier block)
     q_inc = qbytes[:, None] * weight[home[ktb]]
     kv_inc = kvbytes[:, None] * weight[home[ktb]]
-    # does device d already hold the key's Q / KV (owned, or shipped for an earlier block)?
     has_q = np.zeros((len(keys), n), bool)
     has_kv = np.zeros((len(keys), n), bool)
     has_q[keys, home[ktb]] = True
     has_kv[keys, home[ktb]] = True
+    q_inc[has_q] = 0.0
+    kv_inc[has_kv] = 0.0
     qkey = g.cb_q * hg + g.cb_hg
     kkey = g.cb_k * hg + g.cb_hg
     local = np.where(home[g.cb_q] == home[g.cb_k], home[g.cb_q], -1)
@@ -111,24 +113,25 @@ def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: 
                 out[c] = own
                 load[own] += w
                 continue
-        inc = np.where(has_q[qk], 0.0, q_inc[qk]) + np.where(has_kv[kk], 0.0, kv_inc[kk])
         room = load + reserved + w <= cap
         if own >= 0:
             room[own] = load[own] + w <= cap
         if not room.any():
             room = load + w <= cap
-        if room.any():
-            inc[~room] = np.inf
-            cand = np.flatnonzero(inc == inc.min())
-        else:
-            cand = np.flatnonzero(load == load.min())
-        d = int(cand[np.argmin(load[cand])])
+        # the fewest added bytes among the devices with room (none: every device), then the least load,
+        # then the lowest id (argmin takes the first)
+        key = np.where(room, q_inc[qk] + kv_inc[kk], np.inf) if room.any() else load
+        d = int(np.argmin(np.where(key == key.min(), load, np.inf)))
         out[c] = d
         load[d] += w
-        q_held[qk] += q_held[qk] > 0 and not has_q[qk, d]
-        kv_held[kk] += kv_held[kk] > 0 and not has_kv[kk, d]
-        has_q[qk, d] = True
-        has_kv[kk, d] = True
+        if not has_q[qk, d]:
+            q_held[qk] += q_held[qk] > 0
+            has_q[qk, d] = True
+            q_inc[qk, d] = 0.0
+        if not has_kv[kk, d]:
+            kv_held[kk] += kv_held[kk] > 0
+            has_kv[kk, d] = True
+            kv_inc[kk, d] = 0.0
     return out
 
 

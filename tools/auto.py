@@ -43,12 +43,18 @@ than the best simulated plan's whole makespan cannot win.
    a strategy known only by its preview is placed when its preview comes
    up (its estimate is never below the preview); a placed one is finished
    (the rest of its pipeline) and simulated;
-   the first bound above the best predicted time so far ends the search —
-   as every bound is a lower bound, nothing after it can be faster. The
-   lowest predicted time wins (ties: the first name, as the exhaustive
-   search). The choice is therefore the exhaustive search's (compile and
-   simulate every strategy), at the cost of the previews, the placements
-   that come up and the finished candidates (benchmarks/auto_bench.py);
+   the first bound at or above the best predicted time so far ends the
+   search — as every bound is a lower bound, nothing after it can be
+   faster, and nothing after it wins a tie (:func:`choice_key`: the lowest
+   predicted time wins; equal predicted times go to the lower estimate,
+   then the first name — a strategy popped later has no lower pair of
+   them). Ties are common: where every document fits on one device, every
+   balanced placement predicts the pure compute time (the pretraining
+   batches at 8 devices: 6–8 candidates were finished only to tie). The
+   choice is therefore the exhaustive search's (compile and simulate
+   every strategy, keep the lowest :func:`choice_key`), at the cost of the
+   previews, the placements that come up and the finished candidates
+   (benchmarks/auto_bench.py);
    ``tests/test_auto.py`` checks the bounds and the choice. ``keep`` forces
    at least that many to be finished.
 
@@ -179,9 +185,24 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None)
     comm_b, bytes_b = _queues(n, per_node, prof, [part(q, BWD, B_Q, q_hop), part(kv, BWD, B_KV, hop),
                                                    part(o, BWD, B_DQ, PARTIAL),
                                                    part(dkv, BWD, B_DKV, PARTIAL, reverse=True)])
-    comp_b = compute * prof.bwd_factor
-    return Estimate(float(np.maximum(compute, comm_f).max()), float(np.maximum(comp_b, comm_b).max()),
-                    float((compute + comp_b).max()), float((comm_f + comm_b).max()), bytes_f + bytes_b, relayed)
+    merge_f, merge_b = _merges(g, n, prof, o, dkv)
+    comp_f, comp_b = compute + merge_f, compute * prof.bwd_factor + merge_b
+    return Estimate(float(np.maximum(comp_f, comm_f).max()), float(np.maximum(comp_b, comm_b).max()),
+                    float((comp_f + comp_b).max()), float((comm_f + comm_b).max()), bytes_f + bytes_b, relayed)
+
+
+def _merges(g, n: int, prof, o: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per device, the seconds of merging the partial outputs it receives
+    (forward O, backward dQ at Q's home and dKV at KV's home): emit merges
+    each received partial block into the home's block after its compute, an
+    instruction of its stream that reads and writes its bytes (3 × bytes /
+    ``mem_bw``, as :func:`attnplan.backends.cost.simulate` charges it).
+    ``o``: the partial O rows (src computes, dst is home); ``kv``: the KV rows
+    (src is home), whose partial dKV travel back."""
+    def at(dst, phase, kind, rows):
+        sec = 3.0 * buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]) / prof.mem_bw
+        return np.bincount(dst, weights=sec, minlength=n)
+    return at(o[:, 3], FWD, B_O, o), at(o[:, 3], BWD, B_DQ, o) + at(kv[:, 2], BWD, B_DKV, kv)
 
 
 def row_tiles(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -410,11 +431,19 @@ def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
     stage), unless the relay forwards nothing. ``divide`` and turning ``overlap`` off are not tried: on the
     128K batches at 8 devices neither ever predicted a faster plan."""
     out: list[tuple[str, str | None, float]] = [(p.name, None, p.total_s)]
-    mode = REGISTRY[p.name].default_comm
-    relays = p.estimate is not None and p.estimate.relayed > 0
-    if p.ir is not None and mode == "p2p" and relays and default_relay(mode) != "none":
-        out.append((f"{p.name}:direct", "mode=p2p", estimate(p.ir, prof, mode, "none").total_s))
+    if p.ir is not None and p.estimate is not None and has_direct(p.name, p.estimate):
+        out.append((f"{p.name}:direct", "mode=p2p", estimate(p.ir, prof, REGISTRY[p.name].default_comm,
+                                                             "none").total_s))
     return out
+
+
+def has_direct(name: str, est: Estimate) -> bool:
+    """Whether ``name:direct`` is another plan than ``name``'s default (whose
+    placement has the estimate ``est``): a p2p strategy whose node relays
+    forward something. Where they forward nothing the two are the same
+    transfers, and only ``name`` is a candidate (the exhaustive search too)."""
+    mode = REGISTRY[name].default_comm
+    return mode == "p2p" and default_relay(mode) != "none" and est.relayed > 0
 
 
 def finish(p: Placed, kwargs: dict, prof, comm: str | None = None) -> tuple[PlanIR, list, float]:
@@ -429,7 +458,25 @@ def finish(p: Placed, kwargs: dict, prof, comm: str | None = None) -> tuple[Plan
     return ir, passes, simulate(ir, prof)["predicted_s"]
 
 
-_REL = 1e-9  # the bound is exact up to summation order: prune only beyond this relative slack
+_REL = 1e-9  # the bound and the prediction are exact up to summation order: equal within this relative slack
+
+
+def choice_key(predicted_s: float, estimate_s: float, name: str) -> tuple[float, float, str]:
+    """What auto minimizes over the candidates (and the exhaustive search
+    with it): the predicted time, rounded to 10 significant digits (two plans
+    predicted equal up to summation order tie), then the estimate (the
+    placement bound: among equally fast plans the one with the lighter
+    busiest device or queue), then the name."""
+    return float(f"{predicted_s:.9e}"), estimate_s, name
+
+
+def candidate_estimate(ir: PlanIR, key: str, prof) -> float:
+    """The estimate auto gives candidate ``key`` (``name`` or
+    ``name:direct``) from its placed or compiled IR (comm, overlap and emit
+    change neither graph nor placement)."""
+    name, _, variant = key.partition(":")
+    mode = REGISTRY[name].default_comm
+    return estimate(ir, prof, mode, "none" if variant == "direct" else None).total_s
 
 
 def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
@@ -438,8 +485,10 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
     a placed one its estimate, a finished one its predicted time. Popping an
     unplaced strategy places it (its estimate is never below its preview);
     popping a placed one finishes and simulates it. Once ``keep`` are
-    finished, the first bound above the best predicted time ends the search:
-    it and everything after it cannot win. Returns (the winner as (name, IR,
+    finished, the first bound at or above the best predicted time ends the
+    search: it and everything after it cannot win, not even a tie
+    (:func:`choice_key`: its estimate, at least its bound, is not below the
+    best's, and on equal estimates its name comes later). Returns (the winner as (name, IR,
     passes) or None, predicted seconds of the finished ones, estimates of the
     placed ones, pruned name -> reason, measured seconds: ``place_s`` and
     ``finish_s`` per strategy)."""
@@ -459,15 +508,22 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
         except PlanError as e:
             pruned[name] = _reason(e)
         seconds[name] = time.perf_counter() - t0
+    best, candidates, estimates = _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds,
+                                                    finishing)
+    return best, candidates, estimates, pruned, {"place_s": seconds, "finish_s": finishing}
+
+
+def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds, finishing):
+    """The loop of :func:`search` over its heap of ``(bound, name, placed or None)``."""
     best: tuple[str, PlanIR, list] | None = None
     candidates: dict[str, float] = {}
     estimates: dict[str, float] = {}
     while heap:
         bound, name, p = heapq.heappop(heap)
-        if best is not None and len(candidates) >= keep and bound > candidates[best[0]] * (1 + _REL):
+        if best is not None and len(candidates) >= keep and bound >= candidates[best[0]] * (1 - _REL):
             for b, n, q in [(bound, name, p)] + sorted(heap, key=lambda e: (e[0], e[1])):
                 how = "" if q is not None else " from its segments, before placing"
-                pruned[n] = (f"lower bound {b * 1e3:.4g} ms{how} > {candidates[best[0]] * 1e3:.4g} ms, the "
+                pruned[n] = (f"lower bound {b * 1e3:.4g} ms{how} >= {candidates[best[0]] * 1e3:.4g} ms, the "
                              f"predicted time of {best[0]}")
             break
         if p is None:
@@ -491,9 +547,11 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
             continue
         finally:
             finishing[name] = time.perf_counter() - t0
-        if best is None or (candidates[name], name) < (candidates[best[0]], best[0]):
+        if best is None or (choice_key(candidates[name], estimates[name], name) <
+                            choice_key(candidates[best[0]], estimates[best[0]], best[0])):
             best = (name, ir, passes)
-    return best, candidates, estimates, pruned, {"place_s": seconds, "finish_s": finishing}
+    return best, candidates, estimates
+
 
 
 def compile_auto(kwargs: dict, keep: int = KEEP):
