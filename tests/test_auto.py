@@ -222,6 +222,50 @@ def test_estimate_is_a_bound_over_exactly_the_plans_transfers(lens, devices, mas
         assert e.compute_s <= e.total_s * (1 + 1e-9) and e.comm_s >= 0
 
 
+@settings(max_examples=10)
+@given(lens=st.lists(st.integers(1, 3000), min_size=1, max_size=8), devices=st.sampled_from([2, 4]),
+       mask=st.sampled_from(["causal", "full", "sliding_window(300)", PER_HEAD]))
+def test_the_merges_counted_are_the_merges_emitted(lens, devices, mask):
+    """The estimate's merge term, per device and phase, is exactly what the
+    emitted program's merge/add instructions cost in the simulator (3 ×
+    their buffer's bytes / mem_bw): emit merges every partial a placement
+    sends home, no more."""
+    from attnplan.ir.program import A2, BBYTES, MERGE, OP
+    from attnplan.ir.program import ADD as P_ADD
+    from attnplan.ir.schedule import X_KV, X_O
+    from attnplan.ir.verify import needed_transfers
+    prof = get_profile("h100")
+    for name in NAMES:
+        try:
+            ir, full = placed(name, lens, devices, 1, mask)
+        except attnplan.PlanError:
+            continue
+        need = needed_transfers(ir.need_graph(), ir.need_placement())
+        want = auto._merges(ir.need_graph(), devices, prof, need[X_O], need[X_KV])
+        prog = full.ir.program
+        for phase in (0, 1):
+            for d, code in enumerate(prog.code[phase]):
+                rows = code[np.isin(code[:, OP], (MERGE, P_ADD))]
+                got = 3.0 * prog.buffers[phase][d][rows[:, A2], BBYTES].astype(float).sum() / prof.mem_bw
+                assert got == pytest.approx(want[phase][d], rel=1e-12, abs=1e-15), (name, phase, d)
+
+
+def test_ties_are_not_simulated_twice():
+    """Equal documents that each fit on one device: every balanced placement
+    predicts the pure compute time. A candidate whose bound reaches the best
+    predicted time can at most tie, and a tie goes to the lower estimate (it
+    is not below the best's), so auto simulates one candidate where it
+    simulated six before; its choice is the exhaustive search's."""
+    lens = [2048] * 64
+    plan = attnplan.compile(seqlens=lens, devices=8, block_size=256, strategy="auto", **SHAPE)
+    m = plan.meta
+    assert len(m["candidates"]) == 1, m["candidates"]
+    best = min(m["candidates"].values())
+    tied = [n for n, e in m["estimates"].items() if n not in m["candidates"] and e <= best * (1 + 1e-9)]
+    assert tied and all(m["pruned"][n].startswith("lower bound") for n in tied)
+    assert m["strategy"] == "auto:" + exhaustive_choice(lens, 8, 1, "causal")
+
+
 @pytest.mark.parametrize("fused,within", [(False, 0.75), (True, 0.5)])
 def test_estimate_orders_placements_as_the_simulator(fused, within):
     """On a long-tailed batch on one node the estimate orders zigzag's ring
@@ -335,6 +379,72 @@ def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype, profile
         bound = auto.preview(head[1], tiled, prof)
         e = estimate(run_pipeline(tiled, head[1:]), prof, REGISTRY[name].default_comm)
         assert 0 < bound <= e.total_s * (1 + 1e-9), name
+
+
+@settings(max_examples=16)
+@given(lens=st.lists(st.integers(1, 2000), min_size=2, max_size=12), devices=st.sampled_from([1, 2, 4, 8]),
+       mask=st.sampled_from(["causal", "full", "sliding_window(100)", "causal | k < 4", PER_HEAD]),
+       limit=st.integers(1, 40), two_nodes=st.booleans())
+def test_the_bound_over_the_longest_samples_is_below_the_whole_preview(lens, devices, mask, limit, two_nodes):
+    """The first tier of a segment preview (its longest samples only, keys
+    clipped to their own sample) never exceeds the preview over every
+    segment: less work and traffic on every device, for any mask — also
+    one reaching keys of other samples (``k < 4``)."""
+    prof = get_profile("h100")
+    nodes = 2 if two_nodes and devices > 1 else 1
+    for name in SEGMENT_STRATEGIES:
+        try:
+            plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, nodes=nodes, block_size=256,
+                                    strategy=name, **SHAPE)
+        except attnplan.PlanError:
+            continue
+        head = auto._split(parse_pipeline(default_pipeline(name, 256)))[0]
+        tiled = run_pipeline(plan.ir.replace(graph=None, placement=None, schedule=None, program=None), head[:1])
+        segments = head[1].segments(tiled)
+        docs = auto.sample_docs(tiled.problem, segments[0], limit)
+        if docs is None:
+            continue
+        order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+        assert list(docs) == sorted(order[:len(docs)]), "the longest samples, ties to the first"
+        whole = auto.preview(head[1], tiled, prof, segments=segments)
+        assert 0 <= auto.preview(head[1], tiled, prof, docs=docs, segments=segments) <= whole * (1 + 1e-9), name
+
+
+def test_auto_bounds_from_the_longest_samples_first(monkeypatch):
+    """Over more segments than ``SAMPLE_SEGMENTS`` a segment strategy enters
+    the search with its bound over its longest samples; popped, it gets its
+    whole preview, and only popped again is it placed. The tier changes what
+    auto spends, nothing it decides: the same choice, candidates, estimates
+    and pruned strategies as without it."""
+    calls = []
+    real_preview, real_place = auto.preview, auto.place
+
+    def preview(strategy_pass, tiled, prof, max_blocks=None, docs=None, segments=None):
+        calls.append(("sampled" if docs is not None else "whole", strategy_pass.name))
+        return real_preview(strategy_pass, tiled, prof, max_blocks, docs, segments)
+
+    def place(name, *a):
+        calls.append(("place", name))
+        return real_place(name, *a)
+
+    monkeypatch.setattr(auto, "preview", preview)
+    monkeypatch.setattr(auto, "place", place)
+    kw = dict(seqlens=[6000] * 2 + [200] * 200, devices=16, nodes=2, block_size=512, **SHAPE)
+    monkeypatch.setattr(auto, "SAMPLE_SEGMENTS", 10 ** 9)
+    plain = attnplan.compile(strategy="auto", **kw).meta
+    assert not any(kind == "sampled" for kind, _ in calls)
+    calls.clear()
+    monkeypatch.setattr(auto, "SAMPLE_SEGMENTS", 64)
+    tiered = attnplan.compile(strategy="auto", **kw).meta
+    sampled = {n for kind, n in calls if kind == "sampled"}
+    assert {"per_doc", "dacp"} <= sampled
+    for name in sampled:
+        at = [calls.index((kind, name)) for kind in ("sampled", "whole", "place") if (kind, name) in calls]
+        assert at == sorted(at), name  # sampled, then whole, then placed (as far as the search went)
+        assert ("place", name) not in calls or ("whole", name) in calls, name
+    for key in ("strategy", "candidates", "estimates"):
+        assert tiered[key] == plain[key], key
+    assert tiered["pruned"].keys() == plain["pruned"].keys()
 
 
 @settings(max_examples=60)

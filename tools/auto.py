@@ -23,8 +23,9 @@ than the best simulated plan's whole makespan cannot win.
 2. **Estimate** each placement (:func:`estimate`): per device and phase, its
    compute (:func:`attnplan.backends.cost.cb_seconds`: per-piece tile
    rounding, the dtype's rate; backward × ``bwd_factor``; launches as
-   :func:`attnplan.backends.cost.launches` bounds them)
-   and the time its send and its receive queue are busy with the transfers
+   :func:`attnplan.backends.cost.launches` bounds them; plus merging the
+   partial outputs it receives, :func:`_merges` — exactly the merge and add
+   instructions emit will give it) and the time its send and its receive queue are busy with the transfers
    the placement needs (:func:`attnplan.ir.verify.needed_transfers`, or the
    ring of ``comm{mode=ring}``, or the node relays of ``relay=node``; ``bytes / bandwidth`` of the link per block,
    the bytes of :func:`attnplan.ir.program.buffer_bytes`, and ``alpha`` per
@@ -37,8 +38,8 @@ than the best simulated plan's whole makespan cannot win.
    backward: the placement with no exposed communication. The simulator's
    makespan is never below it (every device runs its own compute blocks and
    waits for all its sends and receives, each queue serving one transfer at
-   a time); on the shared batches it is 0.63–1.0 of the predicted time
-   (median 0.90), lowest where inter-node traffic is exposed.
+   a time); on the shared batches it is 0.51–1.0 of the predicted time
+   (median 0.87), lowest where inter-node traffic is exposed.
 3. **Branch and bound** over those lower bounds, smallest first (:func:`search`):
    a strategy known only by its preview is placed when its preview comes
    up (its estimate is never below the preview); a placed one is finished
@@ -73,11 +74,15 @@ before placing, or the estimate — against the best predicted time, or the
 PlanError it raised). ``Plan.measured`` (in memory only) has the seconds of
 every preview and placement and of every finished candidate.
 
-Everything runs in this process: a process pool for the placements
-(``concurrent.futures``, forkserver, workers started with attnplan imported)
-was 1.18x slower in the median than placing in this process on this 2-core
-machine (0.84-2.51x over the 56 shared cases, load 1-4, measured with an
-earlier version of auto_bench.py), so there is none.
+Everything runs in this process, one thing at a time: a process pool for
+the placements (``concurrent.futures``, forkserver, workers started with
+attnplan imported) was 1.18x slower in the median than placing in this
+process on this 2-core machine (0.84-2.51x over the 56 shared cases, load
+1-4, measured with an earlier version of auto_bench.py); placing
+hypergraph in a background thread while this one places the others
+(Mt-KaHyPar releases the GIL) was 1.11-1.30x slower on five of six cases
+(median of 7; its two worker threads and this one share two cores), so
+there is neither.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, launches,
 from ..errors import PlanError, VerifyError
 from ..ir.arrays import unique
 from ..ir.graph import q_block_rows
-from ..ir.mask import HI, K0, K1, LO, Q0, Q1, piece_counts
+from ..ir.mask import HI, K0, K1, LO, Q0, Q1, piece_counts, tighten
 from ..ir.module import PlanIR
 from ..ir.placement import segment_home
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
@@ -220,7 +225,7 @@ def row_tiles(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 
 def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
-                  max_blocks: int | None = None, grouped: bool = False) -> float:
+                  max_blocks: int | None = None, grouped: bool = False, docs: np.ndarray | None = None) -> float:
     """A lower bound of :func:`estimate` for a strategy that homes segments
     ``[starts[i], starts[i+1])`` on ``devices[i]`` and computes where Q lives
     (``place_segments`` with its default compute), from the segments alone —
@@ -241,13 +246,20 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     one launch per device with work, and no refusal by count; and a
     segment's blocks merge into one span of its group, so the pieces are
     cut at the segment starts only (coarser pieces only lower the bound: a
-    piece of r rows, cut into pieces of fewer rows, rounds each up)."""
-    g, n = tiled.need_graph(), tiled.devices
-    cuts = unique(np.concatenate([g.tb_start[:0] if grouped else g.tb_start, np.asarray(starts, np.int64),
-                                  [tiled.problem.tokens]]))
-    p = tiled.problem
-    rows, src, qb = q_block_rows(p.pieces.a, cuts[:-1], cuts[1:])
-    dev = segment_home(cuts[:-1], np.asarray(starts, np.int64), np.asarray(devices, np.int64))
+    piece of r rows, cut into pieces of fewer rows, rounds each up).
+    ``docs`` (sorted sample indices): the same bound over those samples
+    only (:func:`sampled_pieces`) — less work and traffic on every device,
+    so no more than the whole bound, at a cost that follows their segments."""
+    g, n, p = tiled.need_graph(), tiled.devices, tiled.problem
+    starts = np.asarray(starts, np.int64)
+    cut_from = np.concatenate([g.tb_start[:0] if grouped else g.tb_start, starts])
+    if docs is None:
+        pieces, index, cuts = p.pieces.a, None, unique(np.concatenate([cut_from, [p.tokens]]))
+    else:
+        pieces, index, cuts = sampled_pieces(p, docs, cut_from)
+    rows, src, qb = q_block_rows(pieces, cuts[:-1], cuts[1:])
+    src = src if index is None else index[src]
+    dev = segment_home(cuts[:-1], starts, np.asarray(devices, np.int64))
     seen = p.piece_heads()  # per-head masks: the heads that see each piece (else every head, applied below)
     counts = piece_counts(rows).astype(float) * (1.0 if seen is None else seen[src] / p.heads)
     # a piece of r <= tile_q rows: every piece tiling makes of it has at most r rows, each rounded up to one
@@ -272,6 +284,43 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     recv, send_b, node = kv_bound(tiled, cuts, dev, rows, qb, prof)
     bwd = np.maximum(np.maximum(fwd * prof.bwd_factor, recv), send_b)
     return float(max(np.maximum(fwd, recv).max(), node) + max(bwd.max(), node))
+
+
+def sampled_pieces(p, docs: np.ndarray, cut_from: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For :func:`segment_bound` over the samples ``docs`` only: their mask
+    pieces with keys clipped to their own sample (pairs dropped, never
+    added), the index of each in the problem's pieces, and the cuts inside
+    those samples (``cut_from``) with their bounds. Blocks between the
+    samples hold no piece and no key of one."""
+    offs = np.concatenate([[0], np.cumsum(p.seqlens)]).astype(np.int64)
+    inside = np.zeros(len(p.seqlens), bool)
+    inside[docs] = True
+    P = p.pieces.a
+    sample = np.searchsorted(offs, P[:, Q0], "right") - 1
+    index = np.flatnonzero(inside[sample])
+    rows, sample = P[index], sample[index]
+    rows[:, K0] = np.maximum(rows[:, K0], offs[sample])
+    rows[:, K1] = np.minimum(rows[:, K1], offs[sample + 1])
+    keep = tighten(rows)
+    cut_from = cut_from[inside[np.searchsorted(offs, cut_from, "right") - 1]]
+    return rows[keep], index[keep], unique(np.concatenate([cut_from, offs[docs], offs[docs + 1]]))
+
+
+SAMPLE_SEGMENTS = 16_384  # a preview over more segments than this is first taken over the longest samples
+
+
+def sample_docs(p, starts: np.ndarray, limit: int | None = None) -> np.ndarray | None:
+    """The longest samples (ties: the first) whose segments (``starts``
+    inside them) number at most ``limit`` (default :data:`SAMPLE_SEGMENTS`)
+    — at least one — sorted; None where every segment is within the limit."""
+    limit = SAMPLE_SEGMENTS if limit is None else limit
+    if len(starts) <= limit:
+        return None
+    offs = np.concatenate([[0], np.cumsum(p.seqlens)]).astype(np.int64)
+    per = np.bincount(np.searchsorted(offs, starts, "right") - 1, minlength=len(p.seqlens))
+    order = np.lexsort((np.arange(len(per)), -np.asarray(p.seqlens)))
+    k = max(1, int(np.searchsorted(np.cumsum(per[order]), limit, "right")))
+    return np.sort(order[:k])
 
 
 def kv_bound(tiled: PlanIR, cuts: np.ndarray, dev: np.ndarray, rows: np.ndarray, qb: np.ndarray, prof
@@ -410,16 +459,40 @@ def place(name: str, tiled: PlanIR, strategy_pass, kwargs: dict, prof) -> Placed
     return Placed(name, ir, est, seconds=time.perf_counter() - t0)
 
 
-def preview(strategy_pass, tiled: PlanIR, prof, max_blocks: int | None = None) -> float:
+def preview(strategy_pass, tiled: PlanIR, prof, max_blocks: int | None = None, docs: np.ndarray | None = None,
+            segments: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """Step 0: :func:`segment_bound` of a strategy whose pass exposes its
-    segments (``segments(ir)``: zigzag, per_doc, dacp), else 0 (it must be
-    placed to be bounded). Raises the strategy's PlanError."""
-    segments = getattr(strategy_pass, "segments", None)
-    if segments is None:
+    segments (``segments(ir)``: zigzag, per_doc, dacp; or the ``segments``
+    given), else 0 (it must be placed to be bounded); over the samples
+    ``docs`` only if given (no refusal by count then). Raises the
+    strategy's PlanError."""
+    fn = getattr(strategy_pass, "segments", None)
+    if fn is None:
         return 0.0
-    starts, devices = segments(tiled)
+    starts, devices = fn(tiled) if segments is None else segments
     grouped = getattr(strategy_pass, "varlen", 0) != 0  # per_doc and dacp pack varlen groups by default
-    return segment_bound(tiled, starts, devices, prof, max_blocks, grouped)
+    return segment_bound(tiled, starts, devices, prof, None if docs is not None else max_blocks, grouped, docs)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Sampled:
+    """A heap entry's state for a strategy bounded from its longest samples
+    only (:func:`sample_docs`): popped, it is bounded from all its segments."""
+
+    docs: int
+    segments: tuple
+
+
+def first_bound(name: str, strategy_pass, tiled: PlanIR, prof, max_blocks: int | None):
+    """The first heap entry of a strategy: its preview over its longest
+    samples where it has more than :data:`SAMPLE_SEGMENTS` segments (a
+    :class:`Sampled` state), else its whole preview (state None)."""
+    fn = getattr(strategy_pass, "segments", None)
+    segments = None if fn is None else fn(tiled)
+    docs = None if segments is None else sample_docs(tiled.problem, segments[0])
+    if docs is None:
+        return preview(strategy_pass, tiled, prof, max_blocks, segments=segments), name, None
+    return preview(strategy_pass, tiled, prof, docs=docs, segments=segments), name, Sampled(len(docs), segments)
 
 
 def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
@@ -503,8 +576,7 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
         try:
             if tile.spec() not in tiled_by:
                 tiled_by[tile.spec()] = _run(base, [tile], kwargs)
-            bound = preview(strat, tiled_by[tile.spec()], prof, kwargs["max_compute_blocks"])
-            heapq.heappush(heap, (bound, name, None))
+            heapq.heappush(heap, first_bound(name, strat, tiled_by[tile.spec()], prof, kwargs["max_compute_blocks"]))
         except PlanError as e:
             pruned[name] = _reason(e)
         seconds[name] = time.perf_counter() - t0
@@ -522,10 +594,21 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
         bound, name, p = heapq.heappop(heap)
         if best is not None and len(candidates) >= keep and bound >= candidates[best[0]] * (1 - _REL):
             for b, n, q in [(bound, name, p)] + sorted(heap, key=lambda e: (e[0], e[1])):
-                how = "" if q is not None else " from its segments, before placing"
+                how = (" from its segments, before placing" if q is None else "" if not isinstance(q, Sampled) else
+                       f" from its segments in its {q.docs} longest samples, before placing")
                 pruned[n] = (f"lower bound {b * 1e3:.4g} ms{how} >= {candidates[best[0]] * 1e3:.4g} ms, the "
                              f"predicted time of {best[0]}")
             break
+        if isinstance(p, Sampled):
+            tile, strat = heads[name]
+            t0 = time.perf_counter()
+            try:
+                whole = preview(strat, tiled_by[tile.spec()], prof, kwargs["max_compute_blocks"], segments=p.segments)
+                heapq.heappush(heap, (max(bound, whole), name, None))
+            except PlanError as e:
+                pruned[name] = _reason(e)
+            seconds[name] += time.perf_counter() - t0
+            continue
         if p is None:
             tile, strat = heads[name]
             placed = place(name, tiled_by[tile.spec()], strat, kwargs, prof)
