@@ -488,8 +488,10 @@ def first_bound(name: str, strategy_pass, tiled: PlanIR, prof, max_blocks: int |
     samples where it has more than :data:`SAMPLE_SEGMENTS` segments (a
     :class:`Sampled` state), else its whole preview (state None)."""
     fn = getattr(strategy_pass, "segments", None)
-    segments = None if fn is None else fn(tiled)
-    docs = None if segments is None else sample_docs(tiled.problem, segments[0])
+    if fn is None:
+        return 0.0, name, None
+    segments = fn(tiled)
+    docs = sample_docs(tiled.problem, segments[0])
     if docs is None:
         return preview(strategy_pass, tiled, prof, max_blocks, segments=segments), name, None
     return preview(strategy_pass, tiled, prof, docs=docs, segments=segments), name, Sampled(len(docs), segments)
