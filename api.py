@@ -353,8 +353,8 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     under another comm step (``per_doc:direct``, ``zigzag:allgather``; the
     variants of ``attnplan.passes.comm.COMM_VARIANTS``). ``strategy="auto"`` places every strategy, then compiles and
     simulates them in order of a lower bound of their time until the next
-    bound exceeds the best predicted time, and keeps the plan with the lowest
-    predicted time (``plan.meta["candidates"]`` has each simulated one's,
+    bound reaches the best predicted time, and keeps the plan with the lowest
+    predicted time (ties: the lower bound, then the name) (``plan.meta["candidates"]`` has each simulated one's,
     ``plan.meta["pruned"]`` why the others were not; :mod:`attnplan.tools.auto`).
     Cross-attention: ``seqlens_q`` and ``seqlens_k`` (instead of ``seqlens``)
     give each sample's query and key lengths; the mask sees ``Lq`` and ``Lk``
