@@ -16,9 +16,11 @@ than the best simulated plan's whole makespan cannot win.
    whose lower bound already loses is never tiled. Over more than
    :data:`SAMPLE_SEGMENTS` segments the preview is taken first over the
    longest samples only (:func:`sample_docs`; a lower bound of the whole
-   preview) and refined when it comes up (per_doc, the 4M batch at 128
-   devices: 590,760 segments, 0.73 s for the whole preview, 0.04 s for its
-   64 longest documents, which already prune it).
+   preview), refined when it comes up over :data:`SAMPLE_GROWTH` times as
+   many, up to all of them (per_doc, the 4M batch at 128 devices: 590,760
+   segments, 0.73 s for the whole preview, 0.04 s for its 64 longest
+   documents, which already prune it; 100,000 short documents at 8 devices:
+   1.4M segments, 1.8 s whole, pruned at the second tier).
 1. **Place**: ``tile`` (once, shared) and the strategy pass of each default
    pipeline (:func:`attnplan.api.default_pipeline`). The mask is lowered
    once for all of them. Candidates are not verified pass by pass: the
@@ -483,24 +485,33 @@ def preview(strategy_pass, tiled: PlanIR, prof, max_blocks: int | None = None, d
 @dataclass(frozen=True, slots=True, eq=False)
 class Sampled:
     """A heap entry's state for a strategy bounded from its longest samples
-    only (:func:`sample_docs`): popped, it is bounded from all its segments."""
+    only, those holding at most ``limit`` of its segments (:func:`sample_docs`;
+    ``docs`` of them): popped, it is bounded from :data:`SAMPLE_GROWTH` times
+    as many, up to all its segments."""
 
     docs: int
+    limit: int
     segments: tuple
 
 
-def first_bound(name: str, strategy_pass, tiled: PlanIR, prof, max_blocks: int | None):
-    """The first heap entry of a strategy: its preview over its longest
-    samples where it has more than :data:`SAMPLE_SEGMENTS` segments (a
-    :class:`Sampled` state), else its whole preview (state None)."""
+SAMPLE_GROWTH = 8  # each refinement of a sampled preview takes up to 8x the segments of the one before
+
+
+def next_bound(name: str, strategy_pass, tiled: PlanIR, prof, max_blocks: int | None, limit: int | None,
+               segments=None):
+    """A strategy's heap entry over the longest samples holding at most
+    ``limit`` of its segments (a :class:`Sampled` state), or over all of them
+    (state None) where that is every segment — or where it has no segments
+    (bound 0: it must be placed to be bounded)."""
     fn = getattr(strategy_pass, "segments", None)
     if fn is None:
         return 0.0, name, None
-    segments = fn(tiled)
-    docs = sample_docs(tiled.problem, segments[0])
-    if docs is None:
+    segments = fn(tiled) if segments is None else segments
+    docs = None if limit is None else sample_docs(tiled.problem, segments[0], limit)
+    if docs is None or limit is None:
         return preview(strategy_pass, tiled, prof, max_blocks, segments=segments), name, None
-    return preview(strategy_pass, tiled, prof, docs=docs, segments=segments), name, Sampled(len(docs), segments)
+    return (preview(strategy_pass, tiled, prof, docs=docs, segments=segments), name,
+            Sampled(len(docs), limit, segments))
 
 
 def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
@@ -584,7 +595,8 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
         try:
             if tile.spec() not in tiled_by:
                 tiled_by[tile.spec()] = _run(base, [tile], kwargs)
-            heapq.heappush(heap, first_bound(name, strat, tiled_by[tile.spec()], prof, kwargs["max_compute_blocks"]))
+            heapq.heappush(heap, next_bound(name, strat, tiled_by[tile.spec()], prof, kwargs["max_compute_blocks"],
+                                            SAMPLE_SEGMENTS))
         except PlanError as e:
             pruned[name] = _reason(e)
         seconds[name] = time.perf_counter() - t0
@@ -611,8 +623,9 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
             tile, strat = heads[name]
             t0 = time.perf_counter()
             try:
-                whole = preview(strat, tiled_by[tile.spec()], prof, kwargs["max_compute_blocks"], segments=p.segments)
-                heapq.heappush(heap, (max(bound, whole), name, None))
+                finer, _, state = next_bound(name, strat, tiled_by[tile.spec()], prof, kwargs["max_compute_blocks"],
+                                             p.limit * SAMPLE_GROWTH, p.segments)
+                heapq.heappush(heap, (max(bound, finer), name, state))
             except PlanError as e:
                 pruned[name] = _reason(e)
             seconds[name] += time.perf_counter() - t0
