@@ -606,7 +606,9 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
 
 
 def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds, finishing):
-    """The loop of :func:`search` over its heap of ``(bound, name, placed or None)``."""
+    """The loop of :func:`search` over its heap of ``(bound, name, state)``:
+    state :class:`Sampled` (a preview over some samples), None (the whole
+    preview: place it next), or (placed, comm options) (finish it next)."""
     best: tuple[str, PlanIR, list] | None = None
     candidates: dict[str, float] = {}
     estimates: dict[str, float] = {}
@@ -614,8 +616,7 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
         bound, name, p = heapq.heappop(heap)
         if best is not None and len(candidates) >= keep and bound >= candidates[best[0]] * (1 - _REL):
             for b, n, q in [(bound, name, p)] + sorted(heap, key=lambda e: (e[0], e[1])):
-                how = (" from its segments, before placing" if q is None else "" if not isinstance(q, Sampled) else
-                       f" from its segments in its {q.docs} longest samples, before placing")
+                how = _bound_source(q)
                 pruned[n] = (f"lower bound {b * 1e3:.4g} ms{how} >= {candidates[best[0]] * 1e3:.4g} ms, the "
                              f"predicted time of {best[0]}")
             break
@@ -656,6 +657,12 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
             best = (name, ir, passes)
     return best, candidates, estimates
 
+
+def _bound_source(state) -> str:
+    """Where a pruned heap entry's bound came from, for its reason."""
+    if isinstance(state, Sampled):
+        return f" from its segments in its {state.docs} longest samples, before placing"
+    return " from its segments, before placing" if state is None else ""
 
 
 def compile_auto(kwargs: dict, keep: int = KEEP):
