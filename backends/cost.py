@@ -251,6 +251,12 @@ def launches(blocks: np.ndarray, prof: Profile) -> np.ndarray:
     return np.minimum(blocks, 1.0) if prof.fused else blocks
 
 
+def merge_seconds(nbytes, mem_bw: float):
+    """Seconds of merging (or adding) a received partial output of ``nbytes``
+    into its home block: memory-bound, reading both and writing one."""
+    return nbytes * 3 / mem_bw
+
+
 def run_starts(op: np.ndarray, dev: np.ndarray) -> np.ndarray:
     """Of a concatenation of device streams (ops, and each row's device):
     the compute instructions that begin a run of consecutive compute
@@ -313,7 +319,7 @@ def _steps(code: tuple, bufbytes: tuple, cost: np.ndarray, mem_bw: float, launch
     if len(other):
         boff = np.concatenate([[0], np.cumsum([len(b) for b in bufbytes])]).astype(np.int64)
         flat = np.concatenate(bufbytes).astype(float)
-        dur[other] = flat[boff[dev[other]] + C[other, A2]] * 3 / mem_bw
+        dur[other] = merge_seconds(flat[boff[dev[other]] + C[other, A2]], mem_bw)
     # a new step at every communication instruction, after one, and at every device's start
     new = comm.copy()
     if len(C):

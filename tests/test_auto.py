@@ -18,7 +18,7 @@ from attnplan.backends.cost import get_profile, simulate
 from attnplan.backends.planfile import canonical_bytes
 from attnplan.ir import limits
 from attnplan.passes import REGISTRY, parse_pipeline, run_pipeline
-from attnplan.tools import auto
+from attnplan.tools import auto, auto_preview
 from attnplan.tools.auto import estimate
 
 LONG_TAIL = [3000, 900, 512, 300, 97, 64, 64, 33, 7, 1]
@@ -461,8 +461,8 @@ def test_remote_keys_count_the_union_outside_each_owner(data):
     a = np.array(data.draw(st.lists(st.integers(0, T - 1), min_size=m, max_size=m)))
     b = np.minimum(T, a + np.array(data.draw(st.lists(st.integers(1, 20), min_size=m, max_size=m))))
     per_node = data.draw(st.integers(1, 2))  # the node form: homes and owners compared by node
-    got = auto._remote_keys(owner, a, b, starts, lens, home, n)
-    far = auto._remote_keys(owner, a, b, starts, lens, home // per_node, n, np.arange(n) // per_node)
+    got = auto_preview._remote_keys(owner, a, b, starts, lens, home, n)
+    far = auto_preview._remote_keys(owner, a, b, starts, lens, home // per_node, n, np.arange(n) // per_node)
     token_home = np.repeat(home, lens)
     for o in range(n):
         cover = np.zeros(T, bool)
