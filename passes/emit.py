@@ -407,14 +407,19 @@ class _Compute:
     part_last: np.ndarray     # ... the compute block (index into dev, cb, ...) that writes them last
 
 
-def _compute_order(sh: _Phase):
-    """Compute blocks by device, then stage, those needing nothing remote
-    first, then q block, kv block and head group."""
-    g, pl, s = sh.graph, sh.placement, sh.schedule
+def compute_order(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
+    """The compute blocks in program order, both phases: by device, then
+    stage, those needing nothing remote first, then q block, kv block and
+    head group (also what :mod:`attnplan.tools.auto_schedule` bounds)."""
     dev, cq, ck, chg, cst = pl.cb_device, g.cb_q, g.cb_k, g.cb_hg, s.cb_stage
-    remote = (sh.home[cq] != dev) | (sh.home[ck] != dev)
-    order = np.lexsort((chg, ck, cq, remote, cst, dev))
-    return order, dev[order], cq[order], ck[order], chg[order], cst[order]
+    remote = (pl.home[cq] != dev) | (pl.home[ck] != dev)
+    return np.lexsort((chg, ck, cq, remote, cst, dev))
+
+
+def _compute_order(sh: _Phase):
+    g, pl = sh.graph, sh.placement
+    order = compute_order(g, pl, sh.schedule)
+    return order, pl.cb_device[order], g.cb_q[order], g.cb_k[order], g.cb_hg[order], sh.schedule.cb_stage[order]
 
 
 def _partials(sh: _Phase, dev, targets: np.ndarray, hg: np.ndarray):

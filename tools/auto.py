@@ -47,10 +47,19 @@ than the best simulated plan's whole makespan cannot win.
    waits for all its sends and receives, each queue serving one transfer at
    a time); on the shared batches it is 0.51–1.0 of the predicted time
    (median 0.87), lowest where inter-node traffic is exposed.
-3. **Branch and bound** over those lower bounds, smallest first (:func:`search`):
+3. **Schedule bound** (:mod:`attnplan.tools.auto_schedule`): a placed
+   candidate that comes up is scheduled (its pipeline up to ``emit``: comm,
+   overlap, 1–4 ms) and bounded again with what the load bound cannot see —
+   program order: a block waits for the messages of its operands, which its
+   receive queue serves one at a time; a partial output leaves after its last
+   writer and is merged after it arrives (3–10 ms where emitting and
+   simulating take 20–60 ms). Tighter than the estimate: on libra-512k-0 at 32
+   devices 0.75–0.93 of the predicted time where the estimate is 0.59–0.80,
+   which prunes minheap, dacp and minheap:direct there without emitting them.
+4. **Branch and bound** over those lower bounds, smallest first (:func:`search`):
    a strategy known only by its preview is placed when its preview comes
-   up (its estimate is never below the preview); a placed one is finished
-   (the rest of its pipeline) and simulated;
+   up (its estimate is never below the preview); a placed one is scheduled
+   and bounded (step 3); a scheduled one is emitted and simulated;
    the first bound at or above the best predicted time so far ends the
    search — as every bound is a lower bound, nothing after it can be
    faster, and nothing after it wins a tie (:func:`choice_key`: the lowest
@@ -77,7 +86,7 @@ with ``comm{mode=p2p}``. Its ``meta`` records, as pure functions of the inputs (
 timings): ``candidates`` (predicted seconds of the simulated ones),
 ``estimates`` (the estimate of every strategy that was placed) and
 ``pruned`` (strategy → why it was not simulated: its bound — a preview
-before placing, or the estimate — against the best predicted time, or the
+before placing, the estimate, or the schedule bound — against the best predicted time, or the
 PlanError it raised). ``Plan.measured`` (in memory only) has the seconds of
 every preview and placement and of every finished candidate.
 
@@ -88,9 +97,13 @@ process on this 2-core machine (0.84-2.51x over the 56 shared cases, load
 1-4, measured with an earlier version of auto_bench.py); placing
 hypergraph in a background thread while this one places the others
 (Mt-KaHyPar releases the GIL) was 1.11-1.30x slower on five of six cases
-(median of 7; its two worker threads and this one share two cores); and
-two compiles in two forked processes finish only 1.30x faster than one
-after the other here, so there is neither.
+(median of 7; its two worker threads and this one share two cores); two
+compiles in two forked processes finish only 1.30x faster than one after
+the other here; and placing tile_pool, minheap and usp in a forked child
+(results sent back as msgpack arrays) while this process places hypergraph
+took 372 ms against 346 ms one after the other (libra-512k-0 at 32
+devices: hypergraph's placement went from 170 to 313 ms beside the child),
+so there is none of them.
 """
 
 from __future__ import annotations
@@ -111,6 +124,7 @@ from ..ir.verify import needed_transfers, verify
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategies
 from ..passes.comm import default_relay, relay_rows, ring_kv
 from .auto_preview import SAMPLE_SEGMENTS, sample_docs, segment_bound
+from .auto_schedule import schedule_bound
 
 KEEP = 1  # finish at least this many candidates, best estimate first (the bound decides the rest)
 
@@ -351,16 +365,42 @@ def has_direct(name: str, est: Estimate) -> bool:
     return mode == "p2p" and default_relay(mode) != "none" and est.relayed > 0
 
 
-def finish(p: Placed, kwargs: dict, prof, comm: str | None = None) -> tuple[PlanIR, list, float]:
-    """The rest of ``p``'s default pipeline (its comm step's options replaced
-    by ``comm``, if given) from its placement, and the simulation: (IR, the
-    whole pipeline's passes, predicted seconds)."""
+@dataclass(frozen=True, slots=True, eq=False)
+class Scheduled:
+    """A heap entry's state for a candidate scheduled (its pipeline up to
+    ``emit``) and bounded by :func:`attnplan.tools.auto_schedule.schedule_bound`:
+    popped, it is emitted and simulated."""
+
+    ir: PlanIR
+    passes: list
+
+
+def schedule(p: Placed, kwargs: dict, comm: str | None = None) -> Scheduled:
+    """``p``'s default pipeline (its comm step's options replaced by
+    ``comm``, if given) from its placement up to, not including, ``emit``."""
     from ..api import default_pipeline
     if p.ir is None:
         raise PlanError(f"{p.name} has no placement to finish ({p.error})")
     passes = parse_pipeline(default_pipeline(p.name, kwargs["block_size"], comm))
-    ir = _run(p.ir, _split(passes)[1], kwargs)
-    return ir, passes, simulate(ir, prof)["predicted_s"]
+    rest = _split(passes)[1]
+    return Scheduled(_run(p.ir, rest[:-1], kwargs), passes)
+
+
+def emit_and_simulate(s: Scheduled, kwargs: dict, prof) -> tuple[PlanIR, list, float]:
+    """The rest of a scheduled candidate's pipeline (``emit``) and the simulation:
+    (IR, the whole pipeline's passes, predicted seconds)."""
+    ir = _run(s.ir, s.passes[-1:], kwargs)
+    return ir, s.passes, simulate(ir, prof)["predicted_s"]
+
+
+_SHADE = 3e-9  # a schedule bound enters the heap this much lower: one at or above the best then exceeds it by 2e-9,
+#                so its predicted time cannot round (choice_key) to the best's and win the tie on its estimate
+
+
+def scheduled_bound(s: Scheduled, estimate_s: float, prof) -> float:
+    """A scheduled candidate's heap bound: its estimate or its schedule bound (shaded, ``_SHADE``)."""
+    fwd, bwd = schedule_bound(s.ir, prof)
+    return max(estimate_s, (fwd + bwd) * (1 - _SHADE))
 
 
 _REL = 1e-9  # the bound and the prediction are exact up to summation order: equal within this relative slack
@@ -385,15 +425,18 @@ def candidate_estimate(ir: PlanIR, key: str, prof) -> float:
 
 
 def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
-    """Steps 0–3 as one branch and bound over lower bounds, smallest first
+    """Steps 0–4 as one branch and bound over lower bounds, smallest first
     (ties by name): a strategy not yet placed has its :func:`preview` bound,
-    a placed one its estimate, a finished one its predicted time. Popping an
-    unplaced strategy places it (its estimate is never below its preview);
-    popping a placed one finishes and simulates it. Once ``keep`` are
-    finished, the first bound at or above the best predicted time ends the
-    search: it and everything after it cannot win, not even a tie
-    (:func:`choice_key`: its estimate, at least its bound, is not below the
-    best's, and on equal estimates its name comes later). Returns (the winner as (name, IR,
+    a placed one its estimate, a scheduled one the larger of its estimate and
+    its schedule bound (:func:`scheduled_bound`), a finished one its predicted
+    time. Popping an unplaced strategy places it (its estimate is never below
+    its preview); popping a placed one schedules it; popping a scheduled one
+    emits and simulates it. Once ``keep`` are finished, the first bound at
+    or above the best predicted time ends the search: it and everything
+    after it cannot win, not even a tie (:func:`choice_key`: its estimate, at
+    least its bound, is not below the best's, and on equal estimates its
+    name comes later; or its schedule bound is above the best's predicted
+    time by more than rounding). Returns (the winner as (name, IR,
     passes) or None, predicted seconds of the finished ones, estimates of the
     placed ones, pruned name -> reason, measured seconds: ``place_s`` and
     ``finish_s`` per strategy)."""
@@ -401,7 +444,7 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
     tiled_by: dict[str, PlanIR] = {}
     pruned: dict[str, str] = {}
     seconds: dict[str, float] = {}   # per strategy: preview and placement
-    finishing: dict[str, float] = {}  # per finished (or failed) candidate: the rest of its pipeline and simulation
+    finishing: dict[str, float] = {}  # per scheduled candidate: the rest of its pipeline, bound and simulation
     heap: list = []
     for name, (tile, strat) in heads.items():
         t0 = time.perf_counter()
@@ -421,7 +464,8 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
 def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds, finishing):
     """The loop of :func:`search` over its heap of ``(bound, name, state)``:
     state :class:`Sampled` (a preview over some samples), None (the whole
-    preview: place it next), or (placed, comm options) (finish it next)."""
+    preview: place it next), (placed, comm options) (schedule it next) or
+    :class:`Scheduled` (emit and simulate it next)."""
     best: tuple[str, PlanIR, list] | None = None
     candidates: dict[str, float] = {}
     estimates: dict[str, float] = {}
@@ -459,12 +503,16 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
             continue
         t0 = time.perf_counter()
         try:
-            ir, passes, candidates[name] = finish(p[0], kwargs, prof, p[1])
+            if not isinstance(p, Scheduled):
+                sched = schedule(p[0], kwargs, p[1])
+                heapq.heappush(heap, (scheduled_bound(sched, estimates[name], prof), name, sched))
+                continue
+            ir, passes, candidates[name] = emit_and_simulate(p, kwargs, prof)
         except PlanError as e:
             pruned[name] = _reason(e)
             continue
         finally:
-            finishing[name] = time.perf_counter() - t0
+            finishing[name] = finishing.get(name, 0.0) + time.perf_counter() - t0
         if best is None or (choice_key(candidates[name], estimates[name], name) <
                             choice_key(candidates[best[0]], estimates[best[0]], best[0])):
             best = (name, ir, passes)
@@ -473,6 +521,8 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
 
 def _bound_source(state) -> str:
     """Where a pruned heap entry's bound came from, for its reason."""
+    if isinstance(state, Scheduled):
+        return " from its schedule"
     if isinstance(state, Sampled):
         return f" from its segments in its {state.docs} longest samples, before placing"
     return " from its segments, before placing" if state is None else ""
