@@ -504,9 +504,10 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
         t0 = time.perf_counter()
         try:
             if not isinstance(p, Scheduled):
-                sched = schedule(p[0], kwargs, p[1])
-                heapq.heappush(heap, (scheduled_bound(sched, estimates[name], prof), name, sched))
-                continue
+                p = schedule(p[0], kwargs, p[1])
+                if best is not None:  # the bound prunes only against a best: the first candidate goes on at once
+                    heapq.heappush(heap, (scheduled_bound(p, estimates[name], prof), name, p))
+                    continue
             ir, passes, candidates[name] = emit_and_simulate(p, kwargs, prof)
         except PlanError as e:
             pruned[name] = _reason(e)
