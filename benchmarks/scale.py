@@ -19,6 +19,10 @@ seconds (it is killed). The 4M batch is eight 512K batches of the suite
 concatenated (``BIG_FROM``: the ``-0`` batch of each of the seven
 distributions and ``lmsys-512k-1``; printed).
 
+Cases run batch by batch and device count by device count, every strategy
+in turn, so ``auto`` runs right after the strategies it is compared with
+(this machine's speed drifts over a 15-minute run).
+
 Growth exponents: per strategy, a least-squares fit of
 ``log time = a + b·log tokens + c·log devices`` over its planned cases; ``b``
 and ``c`` are the exponents in tokens and in devices (``-`` where the cases
@@ -258,9 +262,9 @@ def main(argv=None) -> int:
     print(f"\n{'strategy':<10} {'batch':<18} {'tokens':>9} {'dev':>4} {'plan s':>8} {'peak MB':>7} {'plan MB':>8} "
           f"{'comp imb':>7} {'pred/LB':>8} {'cblocks':>8}", flush=True)
     rows = []
-    for strategy in strategies:
-        for batch in names:
-            for n in devices:
+    for batch in names:  # case by case, every strategy in turn: auto and what it is compared with run side by side
+        for n in devices:
+            for strategy in strategies:
                 r = case(strategy, batch, n, args)
                 r.setdefault("tokens", sum(seqlens_of(batch, suite)))
                 rows.append(r)
