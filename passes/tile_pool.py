@@ -68,71 +68,137 @@ def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: 
                 inter_cost: float = 8.0, locality: bool = True) -> np.ndarray:
     """The TAP greedy (see the module doc): the device of every compute block,
     given the home device of every token block."""
-    n, hg = devices, g.n_hg
-    cost = g.cb_pairs
     if g.n_cb == 0:
         return np.zeros(0, np.int64)
-    cap = (1.0 + eps) * float(cost.sum()) / n
-    node = np.arange(n) // (n // nodes)
-    weight = np.where(node[:, None] == node[None, :], 1.0, float(inter_cost))  # [src device, dst device]
-    keys = np.arange(g.n_tb * hg)  # data key of (token block, head group) = tb * hg + group
-    ktb, khg = keys // hg, keys % hg
-    qbytes = (buffer_bytes(g, FWD, B_Q, ktb, khg) + buffer_bytes(g, FWD, B_O, ktb, khg)).astype(float)
-    kvbytes = buffer_bytes(g, FWD, B_KV, ktb, khg).astype(float)
-    if not locality:
-        qbytes[:] = 0.0
-        kvbytes[:] = 0.0
-    # weighted bytes of shipping a key's Q (+ partial O back) / KV to each device, 0 where the device already
-    # holds it (owned, or shipped there for an earlier block)
-    q_inc = qbytes[:, None] * weight[home[ktb]]
-    kv_inc = kvbytes[:, None] * weight[home[ktb]]
-    has_q = np.zeros((len(keys), n), bool)
-    has_kv = np.zeros((len(keys), n), bool)
-    has_q[keys, home[ktb]] = True
-    has_kv[keys, home[ktb]] = True
-    q_inc[has_q] = 0.0
-    kv_inc[has_kv] = 0.0
-    qkey = g.cb_q * hg + g.cb_hg
-    kkey = g.cb_k * hg + g.cb_hg
+    cost = g.cb_pairs
+    st = _PoolState(g, home, devices, nodes, (1.0 + eps) * float(cost.sum()) / devices, float(inter_cost), locality)
+    qkey = g.cb_q * g.n_hg + g.cb_hg
+    kkey = g.cb_k * g.n_hg + g.cb_hg
     local = np.where(home[g.cb_q] == home[g.cb_k], home[g.cb_q], -1)
-    reserved = np.bincount(local[local >= 0], weights=cost[local >= 0], minlength=n).astype(float)
-    row_cost = np.bincount(qkey, weights=cost, minlength=len(keys))
+    row_cost = np.bincount(qkey, weights=cost, minlength=g.n_tb * g.n_hg)
     order = np.lexsort((-cost, qkey, -row_cost[qkey]))
-    load = np.zeros(n)
     out = np.empty(g.n_cb, np.int64)
-    # devices holding each key's Q / KV: a local block whose Q or KV (of positive bytes) is held by its home
-    # alone can only go home when home has room (every other device would add bytes) — decided without the
-    # device scan below
-    q_held = [1 if b > 0 else 0 for b in qbytes.tolist()]
-    kv_held = [1 if b > 0 else 0 for b in kvbytes.tolist()]
     for c, w, qk, kk, own in zip(order.tolist(), cost[order].tolist(), qkey[order].tolist(),
                                  kkey[order].tolist(), local[order].tolist()):
-        if own >= 0:
-            reserved[own] -= w
-            if (q_held[qk] == 1 or kv_held[kk] == 1) and load[own] + w <= cap:
-                out[c] = own
-                load[own] += w
-                continue
-        room = load + reserved + w <= cap
-        if own >= 0:
-            room[own] = load[own] + w <= cap
-        if not room.any():
-            room = load + w <= cap
-        # the fewest added bytes among the devices with room (none: every device), then the least load,
-        # then the lowest id (argmin takes the first)
-        key = np.where(room, q_inc[qk] + kv_inc[kk], np.inf) if room.any() else load
-        d = int(np.argmin(np.where(key == key.min(), load, np.inf)))
-        out[c] = d
-        load[d] += w
-        if not has_q[qk, d]:
-            q_held[qk] += q_held[qk] > 0
-            has_q[qk, d] = True
-            q_inc[qk, d] = 0.0
-        if not has_kv[kk, d]:
-            kv_held[kk] += kv_held[kk] > 0
-            has_kv[kk, d] = True
-            kv_inc[kk, d] = 0.0
+        out[c] = st.place(w, qk, kk, own)
     return out
+
+
+_NONE: frozenset = frozenset()
+
+
+class _PoolState:
+    """The greedy's state: per device its load and the cost of its own
+    not-yet-placed local blocks (reserved); per data key (token block × head
+    group) the devices holding its Q / KV (home, or shipped there for an
+    earlier block) and how many (``q_held``: 0 where the key has no bytes).
+
+    A block goes to the device with the fewest added weighted bytes among
+    those with room, then the least load, then the lowest id. A device's
+    added bytes are 0 for what it holds, else the bytes times 1 (the home's
+    node) or ``inter_cost``: so beyond the holders only the devices of the
+    Q home's and the KV home's nodes can differ, and every other device adds
+    the same — the least-loaded of those with room is their candidate, looked
+    for only when it could win. The arithmetic is the same as over whole
+    arrays (pair counts and bytes are integers, exact in float64), so the
+    placements are those of the plain vectorized greedy (tests compare)."""
+
+    def __init__(self, g: BlockGraph, home: np.ndarray, n: int, nodes: int, cap: float, inter_cost: float,
+                 locality: bool):
+        hg = g.n_hg
+        keys = np.arange(g.n_tb * hg)
+        ktb, khg = keys // hg, keys % hg
+        qbytes = (buffer_bytes(g, FWD, B_Q, ktb, khg) + buffer_bytes(g, FWD, B_O, ktb, khg)).astype(float)
+        kvbytes = buffer_bytes(g, FWD, B_KV, ktb, khg).astype(float)
+        if not locality:
+            qbytes[:] = 0.0
+            kvbytes[:] = 0.0
+        self.n, self.per, self.cap, self.ic = n, n // nodes, cap, inter_cost
+        self.node = np.arange(n) // self.per
+        self.node_devs = [frozenset(range(k * self.per, (k + 1) * self.per)) for k in range(nodes)]
+        self.qb, self.kb = qbytes.tolist(), kvbytes.tolist()
+        self.key_home = home[ktb].tolist()
+        local = np.where(home[g.cb_q] == home[g.cb_k], home[g.cb_q], -1)
+        self.reserved = np.bincount(local[local >= 0], weights=g.cb_pairs[local >= 0], minlength=n).astype(float)
+        self.res = self.reserved.tolist()
+        self.load = np.zeros(n)
+        self.lo = [0.0] * n
+        self.q_extra: dict[int, set] = {}   # key -> devices other than its home holding its Q
+        self.kv_extra: dict[int, set] = {}
+        # a local block whose Q or KV (of positive bytes) is held by its home alone can only go home when home
+        # has room (every other device would add bytes): decided without looking at other devices
+        self.q_held = [1 if b > 0 else 0 for b in self.qb]
+        self.kv_held = [1 if b > 0 else 0 for b in self.kb]
+        self._outside: dict[tuple[int, int], np.ndarray] = {}
+
+    def place(self, w: float, qk: int, kk: int, own: int) -> int:
+        if own >= 0:
+            self.res[own] -= w
+            self.reserved[own] -= w
+            if (self.q_held[qk] == 1 or self.kv_held[kk] == 1) and self.lo[own] + w <= self.cap:
+                return self._take(own, w, qk, kk)
+        return self._take(self._choose(w, qk, kk, own), w, qk, kk)
+
+    def _take(self, d: int, w: float, qk: int, kk: int) -> int:
+        self.lo[d] += w
+        self.load[d] += w
+        for k, extra, held, own_home in ((qk, self.q_extra, self.q_held, self.key_home[qk]),
+                                         (kk, self.kv_extra, self.kv_held, self.key_home[kk])):
+            if d != own_home and d not in extra.get(k, ()):
+                held[k] += held[k] > 0
+                extra.setdefault(k, set()).add(d)
+        return d
+
+    def _added(self, d: int, qk: int, kk: int, hq: int, hk: int) -> float:
+        """The weighted bytes device ``d`` would add for the block's Q (+ partial O) and KV."""
+        per, ic = self.per, self.ic
+        q = 0.0 if d == hq or d in self.q_extra.get(qk, ()) else self.qb[qk] * (1.0 if d // per == hq // per else ic)
+        k = 0.0 if d == hk or d in self.kv_extra.get(kk, ()) else self.kb[kk] * (1.0 if d // per == hk // per else ic)
+        return q + k
+
+    def _choose(self, w: float, qk: int, kk: int, own: int) -> int:
+        hq, hk, per, lo, res, cap = self.key_home[qk], self.key_home[kk], self.per, self.lo, self.res, self.cap
+        nq, nk = hq // per, hk // per
+        near = self.node_devs[nq] | self.node_devs[nk] | self.q_extra.get(qk, _NONE) | self.kv_extra.get(kk, _NONE)
+        best = None
+        for d in near:
+            if (lo[d] + w <= cap) if d == own else (lo[d] + res[d] + w <= cap):
+                cand = (self._added(d, qk, kk, hq, hk), lo[d], d)
+                if best is None or cand < best:
+                    best = cand
+        if len(near) < self.n:
+            far = self.qb[qk] * self.ic + self.kb[kk] * self.ic  # what every device off both nodes adds (or less)
+            if best is None or far <= best[0]:
+                d = self._least_loaded_off(nq, nk, w, own)
+                if d >= 0 and (best is None or (far, lo[d], d) < best):
+                    best = (far, lo[d], d)
+        if best is not None:
+            return best[2]
+        return self._no_room(w, qk, kk)
+
+    def _least_loaded_off(self, nq: int, nk: int, w: float, own: int) -> int:
+        """The least-loaded device with room off the nodes ``nq`` and ``nk`` (lowest id on ties); -1 if none."""
+        off = self._outside.get((nq, nk))
+        if off is None:
+            off = self._outside[(nq, nk)] = (self.node != nq) & (self.node != nk)
+        room = self.load + self.reserved + w <= self.cap
+        if own >= 0:
+            room[own] = self.load[own] + w <= self.cap
+        room &= off
+        if not room.any():
+            return -1
+        return int(np.argmin(np.where(room, self.load, np.inf)))
+
+    def _no_room(self, w: float, qk: int, kk: int) -> int:
+        """No device has room counting reservations: the fewest added bytes
+        among those with room without them, else the least-loaded device."""
+        room = self.load + w <= self.cap
+        if not room.any():
+            return int(np.argmin(self.load))
+        hq, hk = self.key_home[qk], self.key_home[kk]
+        added = np.array([self._added(d, qk, kk, hq, hk) for d in range(self.n)])
+        key = np.where(room, added, np.inf)
+        return int(np.argmin(np.where(key == key.min(), self.load, np.inf)))
 
 
 @register

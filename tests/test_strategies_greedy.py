@@ -374,6 +374,72 @@ def test_tile_pool_spills_to_the_device_holding_kv():
     assert blind[key[(2, 1)]] == 2
 
 
+def reference_pool_assign(g, home, n, nodes, eps, inter_cost=8.0, locality=True):
+    """The TAP greedy written plainly over whole arrays (what pool_assign was
+    before it looked only at the devices that can differ): every block
+    scans every device for (fewest added bytes among those with room, least
+    load, lowest id)."""
+    hg, cost = g.n_hg, g.cb_pairs
+    cap = (1.0 + eps) * float(cost.sum()) / n
+    node = np.arange(n) // (n // nodes)
+    weight = np.where(node[:, None] == node[None, :], 1.0, float(inter_cost))
+    keys = np.arange(g.n_tb * hg)
+    ktb, khg = keys // hg, keys % hg
+    qbytes = (buffer_bytes(g, FWD, B_Q, ktb, khg) + buffer_bytes(g, FWD, B_O, ktb, khg)).astype(float)
+    kvbytes = buffer_bytes(g, FWD, B_KV, ktb, khg).astype(float) * locality
+    qbytes *= locality
+    has_q = np.zeros((len(keys), n), bool)
+    has_kv = np.zeros((len(keys), n), bool)
+    has_q[keys, home[ktb]] = has_kv[keys, home[ktb]] = True
+    qkey, kkey = g.cb_q * hg + g.cb_hg, g.cb_k * hg + g.cb_hg
+    local = np.where(home[g.cb_q] == home[g.cb_k], home[g.cb_q], -1)
+    reserved = np.bincount(local[local >= 0], weights=cost[local >= 0], minlength=n).astype(float)
+    row_cost = np.bincount(qkey, weights=cost, minlength=len(keys))
+    load, out = np.zeros(n), np.empty(g.n_cb, np.int64)
+    for c in np.lexsort((-cost, qkey, -row_cost[qkey])).tolist():
+        w, qk, kk, own = float(cost[c]), int(qkey[c]), int(kkey[c]), int(local[c])
+        added = np.where(has_q[qk], 0.0, qbytes[qk] * weight[home[ktb[qk]]]) + \
+            np.where(has_kv[kk], 0.0, kvbytes[kk] * weight[home[ktb[kk]]])
+        if own >= 0:
+            reserved[own] -= w
+            alone = (qbytes[qk] > 0 and has_q[qk].sum() == 1) or (kvbytes[kk] > 0 and has_kv[kk].sum() == 1)
+            if alone and load[own] + w <= cap:
+                out[c] = own
+                load[own] += w
+                continue
+        room = load + reserved + w <= cap
+        if own >= 0:
+            room[own] = load[own] + w <= cap
+        if not room.any():
+            room = load + w <= cap
+        key = np.where(room, added, np.inf) if room.any() else load
+        d = int(np.argmin(np.where(key == key.min(), load, np.inf)))
+        out[c], load[d] = d, load[d] + w
+        has_q[qk, d] = has_kv[kk, d] = True
+    return out
+
+
+@settings(max_examples=40)
+@given(lens=st.lists(st.integers(1, 3000), min_size=1, max_size=12), devices=st.sampled_from([2, 4, 8, 16, 32]),
+       block=st.sampled_from([128, 256, 512]), eps=st.sampled_from([0.0, 0.04, 0.3]),
+       inter_cost=st.sampled_from([0.0, 0.5, 1.0, 8.0]), locality=st.booleans(), mask=st.sampled_from(
+           ["causal", "full", "sliding_window(200)", "causal_blockwise(512, 2)"]), zigzag=st.booleans())
+def test_tile_pool_greedy_is_the_plain_greedy(lens, devices, block, eps, inter_cost, locality, mask, zigzag):
+    """pool_assign, which scans only the devices whose added bytes can differ
+    (holders, the two homes' nodes) and the rest only when they could win,
+    places every block where the plain scan over all devices does."""
+    from attnplan.ir.graph import build_graph
+    from attnplan.passes.tile_pool import split_segments
+    p = problem(lens, mask, heads=4, kv_heads=2)
+    nodes = devices // 4 if devices >= 8 else 1
+    starts, devs = split_segments(p.tokens, devices, zigzag)
+    cuts = np.unique(np.concatenate([starts, np.arange(0, p.tokens, block), np.cumsum([0] + lens[:-1])]))
+    g = build_graph(p, cuts, 2)
+    home = devs[np.searchsorted(starts, g.tb_start, side="right") - 1]
+    got = pool_assign(g, home, devices, nodes, eps, inter_cost, locality)
+    assert np.array_equal(got, reference_pool_assign(g, home, devices, nodes, eps, inter_cost, locality))
+
+
 # all three ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("strategy", ["per_doc", "minheap", "tile_pool"])
