@@ -71,10 +71,11 @@ def pool_assign(g: BlockGraph, home: np.ndarray, devices: int, nodes: int, eps: 
     if g.n_cb == 0:
         return np.zeros(0, np.int64)
     cost = g.cb_pairs
-    st = _PoolState(g, home, devices, nodes, (1.0 + eps) * float(cost.sum()) / devices, float(inter_cost), locality)
+    local = np.where(home[g.cb_q] == home[g.cb_k], home[g.cb_q], -1)  # the home of blocks with Q and KV both there
+    st = _PoolState(g, home, local, devices, nodes, (1.0 + eps) * float(cost.sum()) / devices, float(inter_cost),
+                    locality)
     qkey = g.cb_q * g.n_hg + g.cb_hg
     kkey = g.cb_k * g.n_hg + g.cb_hg
-    local = np.where(home[g.cb_q] == home[g.cb_k], home[g.cb_q], -1)
     row_cost = np.bincount(qkey, weights=cost, minlength=g.n_tb * g.n_hg)
     order = np.lexsort((-cost, qkey, -row_cost[qkey]))
     out = np.empty(g.n_cb, np.int64)
@@ -103,8 +104,8 @@ class _PoolState:
     arrays (pair counts and bytes are integers, exact in float64), so the
     placements are those of the plain vectorized greedy (tests compare)."""
 
-    def __init__(self, g: BlockGraph, home: np.ndarray, n: int, nodes: int, cap: float, inter_cost: float,
-                 locality: bool):
+    def __init__(self, g: BlockGraph, home: np.ndarray, local: np.ndarray, n: int, nodes: int, cap: float,
+                 inter_cost: float, locality: bool):
         hg = g.n_hg
         keys = np.arange(g.n_tb * hg)
         ktb, khg = keys // hg, keys % hg
@@ -118,7 +119,7 @@ class _PoolState:
         self.node_devs = [frozenset(range(k * self.per, (k + 1) * self.per)) for k in range(nodes)]
         self.qb, self.kb = qbytes.tolist(), kvbytes.tolist()
         self.key_home = home[ktb].tolist()
-        local = np.where(home[g.cb_q] == home[g.cb_k], home[g.cb_q], -1)
+        # load and reserved as lists for the per-device checks and as arrays for the scans off the two nodes
         self.reserved = np.bincount(local[local >= 0], weights=g.cb_pairs[local >= 0], minlength=n).astype(float)
         self.res = self.reserved.tolist()
         self.load = np.zeros(n)
