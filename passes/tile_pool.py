@@ -42,6 +42,7 @@ imbalance ``<= 1 + eps``; ``block=B`` cuts every ``B`` tokens of each sample.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,7 +117,6 @@ class _PoolState:
             kvbytes[:] = 0.0
         self.n, self.per, self.cap, self.ic = n, n // nodes, cap, inter_cost
         self.node = np.arange(n) // self.per
-        self.node_devs = [frozenset(range(k * self.per, (k + 1) * self.per)) for k in range(nodes)]
         self.qb, self.kb = qbytes.tolist(), kvbytes.tolist()
         self.key_home = home[ktb].tolist()
         # load and reserved as lists for the per-device checks and as arrays for the scans off the two nodes
@@ -143,11 +143,16 @@ class _PoolState:
     def _take(self, d: int, w: float, qk: int, kk: int) -> int:
         self.lo[d] += w
         self.load[d] += w
-        for k, extra, held, own_home in ((qk, self.q_extra, self.q_held, self.key_home[qk]),
-                                         (kk, self.kv_extra, self.kv_held, self.key_home[kk])):
-            if d != own_home and d not in extra.get(k, ()):
-                held[k] += held[k] > 0
-                extra.setdefault(k, set()).add(d)
+        if d != self.key_home[qk]:
+            held = self.q_extra.setdefault(qk, set())
+            if d not in held:
+                held.add(d)
+                self.q_held[qk] += self.q_held[qk] > 0
+        if d != self.key_home[kk]:
+            held = self.kv_extra.setdefault(kk, set())
+            if d not in held:
+                held.add(d)
+                self.kv_held[kk] += self.kv_held[kk] > 0
         return d
 
     def _added(self, d: int, qk: int, kk: int, hq: int, hk: int) -> float:
@@ -160,21 +165,29 @@ class _PoolState:
     def _choose(self, w: float, qk: int, kk: int, own: int) -> int:
         hq, hk, per, lo, res, cap = self.key_home[qk], self.key_home[kk], self.per, self.lo, self.res, self.cap
         nq, nk = hq // per, hk // per
-        near = self.node_devs[nq] | self.node_devs[nk] | self.q_extra.get(qk, _NONE) | self.kv_extra.get(kk, _NONE)
-        best = None
-        for d in near:
+        qx, kx = self.q_extra.get(qk, _NONE), self.kv_extra.get(kk, _NONE)
+        qb, kb, ic = self.qb[qk], self.kb[kk], self.ic
+        q_far, k_far = qb * ic, kb * ic
+        near = list(range(nq * per, (nq + 1) * per))
+        if nk != nq:
+            near += range(nk * per, (nk + 1) * per)
+        near += [d for d in qx | kx if d // per != nq and d // per != nk]
+        ba, bl, bd = math.inf, math.inf, -1  # the best (added bytes, load, device) so far
+        for d in near:  # _added inlined: this loop is most of tile_pool's time
             if (lo[d] + w <= cap) if d == own else (lo[d] + res[d] + w <= cap):
-                cand = (self._added(d, qk, kk, hq, hk), lo[d], d)
-                if best is None or cand < best:
-                    best = cand
+                nd = d // per
+                a = ((0.0 if d == hq or d in qx else (qb if nd == nq else q_far))
+                     + (0.0 if d == hk or d in kx else (kb if nd == nk else k_far)))
+                if a < ba or (a == ba and (lo[d] < bl or (lo[d] == bl and d < bd))):
+                    ba, bl, bd = a, lo[d], d
         if len(near) < self.n:
-            far = self.qb[qk] * self.ic + self.kb[kk] * self.ic  # what every device off both nodes adds (or less)
-            if best is None or far <= best[0]:
+            far = q_far + k_far  # what every device off both nodes adds (or less)
+            if bd < 0 or far <= ba:
                 d = self._least_loaded_off(nq, nk, w, own)
-                if d >= 0 and (best is None or (far, lo[d], d) < best):
-                    best = (far, lo[d], d)
-        if best is not None:
-            return best[2]
+                if d >= 0 and (bd < 0 or (far, lo[d], d) < (ba, bl, bd)):
+                    bd = d
+        if bd >= 0:
+            return bd
         return self._no_room(w, qk, kk)
 
     def _least_loaded_off(self, nq: int, nk: int, w: float, own: int) -> int:

@@ -10,11 +10,14 @@ import dataclasses
 import itertools
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attnplan
-from attnplan.backends.cost import get_profile, simulate
+from attnplan.backends.cost import get_profile, link_seconds, run_starts, simulate
+from attnplan.ir.program import A1, B_KV, B_Q, BWD, FWD, M_DST, M_PHASE, M_SRC, M_START, OP, T_KIND, buffer_bytes
+from attnplan.ir.schedule import X_Q, XHG, XK, XTB
+from attnplan.tools import auto_schedule
 from attnplan.tools.auto import estimate
 from attnplan.tools.auto_schedule import release_bound, schedule_bound
 
@@ -63,6 +66,62 @@ def test_the_schedule_bound_sees_what_the_placement_bound_cannot():
         assert est.bwd_s * 1.05 < bwd <= sim["bwd"]["makespan_s"] * (1 + 1e-9), name
 
 
+@settings(max_examples=20)
+@given(lens=st.lists(st.integers(1, 1500), min_size=1, max_size=8), devices=st.sampled_from([4, 8]),
+       name=st.sampled_from(["minheap", "tile_pool", "hypergraph", "per_doc", "usp"]), overlap=st.booleans())
+def test_messages_posted_at_time_0_arrive_when_the_sweep_says(lens, devices, name, overlap):
+    """Without relays every data message is posted at the start of both
+    programs: the simulator starts them in the sweep's order, and each
+    arrives exactly at the sweep's time — the arrival the bound gives it."""
+    plan = attnplan.compile(seqlens=lens, mask="causal", devices=devices, nodes=2,
+                            pipeline=pipeline(name, "mode=p2p", overlap, False), **SHAPE)
+    ir, prof = plan.ir, plan.profile
+    sh, g = auto_schedule._shape(ir), ir.graph
+    assert sh.sweep is not None and len(sh.sweep) == len(sh.msrc)  # one stage: every data message is in it
+    M, X = ir.program.messages, ir.program.transfers
+    sim = simulate(ir, prof, record=True)
+    for phase, name_ in ((FWD, "fwd"), (BWD, "bwd")):
+        x = sh.x
+        nbytes = np.where(x[:, XK] == X_Q, buffer_bytes(g, phase, B_Q, x[:, XTB], x[:, XHG]),
+                          buffer_bytes(g, phase, B_KV, x[:, XTB], x[:, XHG]))
+        msec = link_seconds(sh.msrc, sh.mdst, np.bincount(sh.msg, weights=nbytes, minlength=len(sh.msrc)),
+                            ir.placement.devices_per_node, prof)
+        arrival = auto_schedule._sweep_arrivals(sh, msec, devices)[0]
+        ends = {int(t[0]): t[4] for t in sim[name_]["events"]["transfer"]}
+        data = [m for m in range(len(M)) if M[m, M_PHASE] == phase and X[M[m, M_START], T_KIND] <= B_KV]
+        assert len(data) == len(sh.msrc)
+        by_link = {(int(M[m, M_SRC]), int(M[m, M_DST])): ends[m] for m in data}
+        for m in range(len(sh.msrc)):
+            assert np.isclose(arrival[m], by_link[int(sh.msrc[m]), int(sh.mdst[m])], rtol=1e-12, atol=0)
+
+
+@settings(max_examples=25)
+@given(lens=st.lists(st.integers(1, 1500), min_size=1, max_size=8), devices=st.sampled_from([2, 4, 8]),
+       name=st.sampled_from([n for n in attnplan.strategies() if n != "ulysses"] + ["ulysses"]),
+       comm=st.sampled_from(COMMS[:3]), overlap=st.booleans(), divide=st.booleans())
+@example(lens=[878, 263, 1491], devices=8, name="hypergraph", comm="mode=p2p", overlap=True, divide=False)  # dQ and
+#        dKV partials of one device for one home in one message, the dQ written last
+def test_the_runs_the_bound_launches_begin_runs_in_the_program(lens, devices, name, comm, overlap, divide):
+    """A fused profile launches a kernel per run of consecutive compute
+    instructions: every block the bound charges a launch to begins a run in
+    the emitted program (the bound may miss runs, never invent one)."""
+    try:
+        plan = attnplan.compile(seqlens=lens, mask="causal", devices=devices, nodes=2 if devices >= 4 else 1,
+                                pipeline=pipeline(name, comm, overlap, divide), **SHAPE)
+    except attnplan.PlanError:
+        return
+    ir = plan.ir
+    sh = auto_schedule._shape(ir)
+    for phase in (FWD, BWD):
+        begins = set()
+        for dev, code in enumerate(ir.program.code[phase]):
+            first = run_starts(code[:, OP], np.full(len(code), dev))
+            begins |= set(code[first, A1].tolist())
+        charged = set(sh.order[auto_schedule._run_starts(ir, sh, phase)].tolist())
+        assert charged <= begins
+        assert set(sh.order[sh.starts].tolist()) <= charged
+
+
 def test_fair_links_and_all_to_alls_get_no_schedule_bound():
     plan = attnplan.compile(seqlens=[900, 300], mask="causal", devices=4, block_size=128,
                             pipeline="tile{block=128},minheap,comm{mode=a2a},emit", **SHAPE)
@@ -73,21 +132,30 @@ def test_fair_links_and_all_to_alls_get_no_schedule_bound():
 
 
 @settings(max_examples=60)
-@given(jobs=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 20), st.integers(1, 9)), min_size=1, max_size=6))
+@given(jobs=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 20), st.integers(1, 9), st.integers(0, 9)),
+                     min_size=1, max_size=6))
 def test_release_bound_is_below_every_order_and_reached_by_one(jobs):
     """One machine per device, jobs (device, release, seconds): the bound is
     at most the best order's end, and equals it (release dates alone: the
-    earliest-release order is optimal, and it is this bound)."""
-    dev, rel, sec = (np.array(c, dtype=float) for c in zip(*jobs))
+    earliest-release order is optimal, and it is this bound). With tails (a
+    second machine after the first, as a home merges what its receive queue
+    delivered): at most the best order's end on the second machine."""
+    dev, rel, sec, tail = (np.array(c, dtype=float) for c in zip(*jobs))
     got = release_bound(dev.astype(np.int64), rel, sec, 3)
+    with_tail = release_bound(dev.astype(np.int64), rel, sec, 3, tail=tail)
+    assert np.array_equal(release_bound(dev.astype(np.int64), rel, sec, 3, tail=np.zeros(len(jobs))), got)
     for d in range(3):
-        mine = [(r, s) for dd, r, s in jobs if dd == d]
-        best = 0.0
+        mine = [(r, s, q) for dd, r, s, q in jobs if dd == d]
+        best, best_tail = 0.0, 0.0
         if mine:
-            best = np.inf
+            best = best_tail = np.inf
             for perm in itertools.permutations(mine):
-                t = 0.0
-                for r, s in perm:
+                t = t2 = 0.0
+                for r, s, q in perm:
                     t = max(t, r) + s
-                best = min(best, t)
+                    t2 = max(t2, t) + q
+                best, best_tail = min(best, t), min(best_tail, t2)
         assert got[d] == best
+        assert got[d] <= with_tail[d] <= best_tail
+        if len(mine) == 1:  # one job: its release, its seconds, its tail
+            assert with_tail[d] == best_tail

@@ -50,12 +50,20 @@ than the best simulated plan's whole makespan cannot win.
 3. **Schedule bound** (:mod:`attnplan.tools.auto_schedule`): a placed
    candidate that comes up is scheduled (its pipeline up to ``emit``: comm,
    overlap, 1–4 ms) and bounded again with what the load bound cannot see —
-   program order: a block waits for the messages of its operands, which its
-   receive queue serves one at a time; a partial output leaves after its last
-   writer and is merged after it arrives (3–10 ms where emitting and
-   simulating take 20–60 ms). Tighter than the estimate: on libra-512k-0 at 32
-   devices 0.75–0.93 of the predicted time where the estimate is 0.59–0.80,
-   which prunes minheap, dacp and minheap:direct there without emitting them.
+   program order: the messages posted at time 0 start in an order known
+   before emitting (each queue by the other end's id), so their arrivals
+   are exact; a forward leaves after what it forwards arrived; a block waits
+   for its operands' messages, a relay for what it forwards; a fused
+   kernel launches once per run of blocks; a partial output leaves after its
+   last writer and is merged after it arrives (3–10 ms where emitting and
+   simulating take 20–60 ms). Tighter than the estimate: on libra-512k-0 at
+   32 devices 0.88–0.99 of the predicted time (the forward alone exact for
+   dacp, per_doc and minheap) where the estimate is 0.59–0.80, which prunes
+   tile_pool, minheap, dacp and their ``:direct`` variants there without
+   emitting them. The first candidate goes through it too (it is never
+   emitted before a lower schedule bound): on the 4M batch at 32 devices
+   minheap has the lowest estimate and loses, and its schedule bound now
+   says so before emitting it.
 4. **Branch and bound** over those lower bounds, smallest first (:func:`search`):
    a strategy known only by its preview is placed when its preview comes
    up (its estimate is never below the preview); a placed one is scheduled
@@ -505,9 +513,8 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
         try:
             if not isinstance(p, Scheduled):
                 p = schedule(p[0], kwargs, p[1])
-                if best is not None:  # the bound prunes only against a best: the first candidate goes on at once
-                    heapq.heappush(heap, (scheduled_bound(p, estimates[name], prof), name, p))
-                    continue
+                heapq.heappush(heap, (scheduled_bound(p, estimates[name], prof), name, p))
+                continue
             ir, passes, candidates[name] = emit_and_simulate(p, kwargs, prof)
         except PlanError as e:
             pruned[name] = _reason(e)

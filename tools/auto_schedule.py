@@ -11,29 +11,55 @@ compute_order`: device, stage, local blocks first, ...), a block waits for
 its received operands, a partial output leaves only after the block that
 last writes it, and the home merges it only after it arrives. Per phase:
 
+- **arrivals**: the data messages of stage 0 are posted by both ends at
+  time 0, and the simulator starts them in an order known before emitting
+  (:func:`_sweep`): each send queue by destination, each receive queue by
+  source, back to back — so each arrives no earlier than the later of its
+  two queues' running sums (exactly then without relays or ``divide``;
+  tests compare). A forwarded block's message leaves after the message
+  that brought it arrived and after both queues' stage-0 work;
 - **head chain**: on device ``d`` the receive queue serves one message at a
   time from time 0, so block ``j`` cannot start before every data message
   first needed by ``d``'s blocks up to ``j`` has arrived — at least the sum
-  of their seconds, ``A_j``; with ``P_j`` the device's compute up to and
-  including ``j``, ``j`` ends at ``E_j >= P_j + max(0, max_{i<=j} (A_i -
-  P_{i-1}))`` (a list schedule on one machine with release dates);
+  of their seconds, ``A_j``, and at least each one's arrival; nor, at a
+  stage's first block, before the waits of that stage's posting (a relay
+  waits for what it forwards; without overlap a device waits for all it
+  receives). With ``P_j`` the device's compute up to and including ``j``,
+  ``j`` ends at ``E_j >= P_j + max(0, max_{i<=j} (A_i - P_{i-1}))`` (a list
+  schedule on one machine with release dates);
+- **launches**: with a fused profile the simulator charges a kernel launch
+  per run of consecutive compute instructions; the bound charges one to
+  each block that surely begins a run (:func:`_run_starts`: a device's
+  first block, a block waiting for a message, the block after a send of
+  partials), none elsewhere;
 - **partials**: a partial output is sent at the end of its last writing
-  block (``E`` of it, its release ``r``) and arrives at least ``alpha +
-  bytes / bandwidth`` later, then the home merges it;
+  block (``E`` of it, its release ``r``), after both queues' stage-0
+  messages, and arrives at least ``alpha + bytes / bandwidth`` later, then
+  the home merges it;
 - **queues with release dates or tails**: the messages a device receives
   (or sends; it waits for all of them before it ends) take at least
   ``r + sum of the seconds of those released at or after r`` for every
-  ``r``; a data message's receiver still has every block from its first
-  need on to run after it arrives (a tail), so on the sender ``q + sum of
-  the seconds of those with a tail at least q`` (the one-machine bounds of
-  Carlier, *The one-machine sequencing problem*, EJOR 1982, on heads and
-  tails separately).
+  ``r`` (a partial or a forward is released on each queue after that
+  queue's stage-0 messages); a data message's receiver still has every
+  block from its first need on to run after it arrives (a tail), so on the
+  sender ``q + sum of the seconds of those with a tail at least q`` (the
+  one-machine bounds of Carlier, *The one-machine sequencing problem*,
+  EJOR 1982, on heads and tails separately);
+- **merges**: a home merges its partials one at a time after its last
+  block, each after it arrived: ``r + sum of the merges of those arriving
+  at or after r`` for every ``r`` at or after its last block's end; and
+  as a flow shop of its receive queue and its merges, ``r + sum of the
+  seconds of the partials released at or after r`` plus the least merge
+  among them (the last one still has to be merged).
 
 Each is a lower bound of the simulation with ``links="queue"`` (a message
 holds its sender's and receiver's queue for ``alpha + bytes / bandwidth``);
 with ``links="fair"`` messages share ports and their latencies overlap, so
 :func:`schedule_bound` is 0 there, as for all-to-all schedules
-(``collective``). ``tests/test_auto.py`` checks it against the simulator.
+(``collective``). ``tests/test_auto_schedule.py`` checks it against the
+simulator (every strategy, comm mode, overlap, divide, fused or not), the
+arrivals of stage 0 against the simulator's, and the launches against the
+runs of the emitted programs.
 """
 
 from __future__ import annotations
@@ -50,10 +76,13 @@ from ..ir.verify import needed_transfers
 from ..passes.emit import compute_order
 
 
-def release_bound(dev: np.ndarray, release: np.ndarray, seconds: np.ndarray, n: int) -> np.ndarray:
+def release_bound(dev: np.ndarray, release: np.ndarray, seconds: np.ndarray, n: int,
+                  tail: np.ndarray | None = None) -> np.ndarray:
     """Per device of ``n``: ``max over r of r + (seconds of its jobs released
     at or after r)`` — when one machine serving one job at a time can at the
-    earliest have done its jobs (``dev`` the machine of each)."""
+    earliest have done its jobs (``dev`` the machine of each); with ``tail``,
+    plus the least tail among those jobs (one of them is last, and its tail
+    follows it)."""
     out = np.zeros(n)
     if not len(dev):
         return out
@@ -61,8 +90,13 @@ def release_bound(dev: np.ndarray, release: np.ndarray, seconds: np.ndarray, n: 
     d, r, s = dev[o], release[o], seconds[o]
     run = np.cumsum(s)
     start = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
-    before = np.repeat(run[start] - s[start], np.diff(np.r_[start, len(d)]))
-    np.maximum.at(out, d, r + run - before)
+    seg = np.repeat(np.arange(len(start)), np.diff(np.r_[start, len(d)]))
+    value = r + run - (run[start] - s[start])[seg]
+    if tail is not None:
+        q = tail[o]
+        span = float(q.max()) + 1.0  # segment offsets keep the running minimum inside each device
+        value = value + np.minimum.accumulate(q - seg * span) + seg * span
+    np.maximum.at(out, d, value)
     return out
 
 
@@ -80,12 +114,16 @@ class _Shape:
 
     order: np.ndarray       # compute blocks in program order
     dev: np.ndarray         # ... their devices
+    stage: np.ndarray       # ... their stages
     starts: np.ndarray      # first position of each device that computes
     x: np.ndarray           # data transfer rows of the schedule (Q and KV)
     msg: np.ndarray         # ... their message
     msrc: np.ndarray        # per message: source, destination
     mdst: np.ndarray
     need: np.ndarray | None  # per message: position of the first block reading it (len(order): none); None: unknown
+    sweep: np.ndarray | None  # the stage-0 messages in the order the simulator starts them at time 0 (None: unknown)
+    mstage: np.ndarray      # per message: its stage
+    forwards: np.ndarray    # [k, 2]: (message, a message it forwards a block of) pairs
     partials: tuple         # per phase: ((rows (tb, hg, src, dst), kind, position of the last writer per row), ...)
 
 
@@ -105,8 +143,51 @@ def _shape(ir: PlanIR) -> _Shape:
     o = s.xfer[s.xfer[:, XK] == X_O][:, [XTB, XHG, XSRC, XDST]]
     dkv = needed_transfers(g, pl)[X_KV][:, [0, 1, 3, 2]]  # (tb, hg, home, device): dKV goes device -> home
     o_last, kv_last = _last_writer(g, pl, o, False, pos), _last_writer(g, pl, dkv, True, pos)
-    return _Shape(order, dev, starts, x, msg, (keys // n) % n, keys % n, need,
+    msrc, mdst = (keys // n) % n, keys % n
+    return _Shape(order, dev, s.cb_stage[order], starts, x, msg, msrc, mdst, need, _sweep(pl, x, keys // (n * n)),
+                  keys // (n * n), _forwards(g, pl, x, msg),
                   (((o, B_O, o_last),), ((o, B_DQ, o_last), (dkv, B_DKV, kv_last))))
+
+
+def _forwards(g, pl, x: np.ndarray, msg: np.ndarray) -> np.ndarray:
+    """(message, message of the block it forwards) pairs: a transfer from a
+    device that is not the block's home sends what an earlier transfer
+    brought there (emit waits for that one before posting the send)."""
+    n = pl.devices
+    base = (x[:, XK] * g.n_tb + x[:, XTB]) * g.n_hg + x[:, XHG]
+    fwd = np.flatnonzero(pl.home[x[:, XTB]] != x[:, XSRC])
+    if not len(fwd):
+        return np.zeros((0, 2), np.int64)
+    key = base * n + x[:, XDST]
+    srt = np.argsort(key, kind="stable")
+    want = base[fwd] * n + x[fwd, XSRC]
+    lo, hi = np.searchsorted(key[srt], want), np.searchsorted(key[srt], want, side="right")
+    ok = hi - lo == 1  # the one transfer that brought it (a block brought twice: which one is not known; no pair)
+    pairs = np.column_stack([msg[fwd[ok]], msg[srt[lo[ok]]]])
+    return np.unique(pairs, axis=0)
+
+
+def _sweep(pl, x: np.ndarray, stage: np.ndarray) -> np.ndarray | None:
+    """The data messages of stage 0, which the simulator starts at time 0 in
+    an order known before emitting (:func:`_sweep_arrivals`); None where a
+    device could stall while posting them.
+
+    Every device posts its receives, then its sends, at the start of its
+    program, in message order (emit: stage, destination, source), and the
+    simulator runs the devices at time 0 in id order. A message starts at
+    its second post, in the turn of the larger of its two devices: so a
+    device's send queue takes its stage-0 messages in the order of their
+    destinations, its receive queue in the order of their sources, back to
+    back from 0. A device stalls in its posting only before forwarding a
+    block (it waits for it first), never at stage 0 (checked: else None).
+    Data of later stages posted at 0 (``overlap``) may come between them,
+    which only delays them; partial outputs and forwards come after all of
+    them in every queue: their second post follows a compute block or a
+    wait."""
+    first = x[:, XSTAGE] == 0
+    if (pl.home[x[first, XTB]] != x[first, XSRC]).any():
+        return None
+    return np.flatnonzero(stage == 0)
 
 
 def _first_need(g, pl, x: np.ndarray, msg: np.ndarray, order: np.ndarray, n_msg: int) -> np.ndarray | None:
@@ -147,8 +228,9 @@ def _last_writer(g, pl, rows: np.ndarray, by_kv: bool, pos: np.ndarray) -> np.nd
     return np.where(keys[at] == want, last[at], -1)
 
 
-def _phase_bound(ir: PlanIR, prof, phase: int, sh: _Shape, cost: np.ndarray) -> float:
-    """The bound of one phase (module doc); ``cost``: each block's seconds in it."""
+def _phase_bound(ir: PlanIR, prof, phase: int, sh: _Shape, cost: np.ndarray, launch: float) -> float:
+    """The bound of one phase (module doc); ``cost``: each block's seconds in
+    it; ``launch``: the seconds of each run of blocks beyond that."""
     g, pl = ir.need_graph(), ir.need_placement()
     n, per_node = pl.devices, pl.devices_per_node
     x = sh.x
@@ -157,13 +239,19 @@ def _phase_bound(ir: PlanIR, prof, phase: int, sh: _Shape, cost: np.ndarray) -> 
     msec = link_seconds(sh.msrc, sh.mdst, np.bincount(sh.msg, weights=nbytes, minlength=len(sh.msrc)), per_node,
                         prof)
     dev, p = sh.dev, cost[sh.order]
+    if launch:
+        p[_run_starts(ir, sh, phase)] += launch
     P = _segment_cumsum(p, sh.starts)
     end = P
     tail = np.zeros(len(msec))
+    chain = np.zeros(n)
+    arrival, ready, sent0, got0 = _sweep_arrivals(sh, msec, n)
     if sh.need is not None and len(dev):
         read = sh.need < len(dev)
         arrive = np.bincount(sh.need[read], weights=msec[read], minlength=len(dev))
         A = _segment_cumsum(arrive, sh.starts)
+        np.maximum.at(A, sh.need[read], arrival[read])  # a block starts after its operands' messages arrive
+        _posting_waits(ir, sh, arrival, A, chain)
         span = float(A.max() + P.max()) + 1.0  # device offsets keep the running max inside each device
         lag = np.maximum.accumulate(A - (P - p) + dev * span) - dev * span
         end = P + np.maximum(lag, 0.0)
@@ -173,23 +261,89 @@ def _phase_bound(ir: PlanIR, prof, phase: int, sh: _Shape, cost: np.ndarray) -> 
     busy = np.zeros(n)
     if len(dev):
         busy[dev[sh.starts]] = end[np.r_[sh.starts[1:], len(dev)] - 1]
-    jobs_src, jobs_dst, jobs_rel, jobs_sec = [sh.msrc], [sh.mdst], [np.zeros(len(msec))], [msec]
-    chain = np.zeros(n)
+    # per queue job: its device, its release on the send and on the receive queue, its seconds; a job that comes
+    # after the sweep (forwards, partials) starts on each queue after that queue's stage-0 messages too
+    after = ready >= 0
+    jobs_src, jobs_dst, jobs_sec = [sh.msrc], [sh.mdst], [msec]
+    jobs_rs = [np.where(after, np.maximum(ready, sent0[sh.msrc]), 0.0)]
+    jobs_rd = [np.where(after, np.maximum(ready, got0[sh.mdst]), 0.0)]
+    merge_dev, merge_arrive, merge_sec, merge_rd, merge_q = [], [], [], [], []
     for rows, kind, last in sh.partials[phase]:
         nbytes = buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]).astype(float)
         inter = (rows[:, 2] // per_node) != (rows[:, 3] // per_node)
         sec = nbytes / np.where(inter, prof.inter_bw, prof.intra_bw)  # alpha once per message: not per row
         rel = np.where(last >= 0, end[np.maximum(last, 0)], 0.0)
-        merge = merge_seconds(nbytes, prof.mem_bw)
-        busy += np.bincount(rows[:, 3], weights=merge, minlength=n)
-        np.maximum.at(chain, rows[:, 3], rel + np.where(inter, prof.inter_alpha, prof.intra_alpha) + sec + merge)
+        start = np.maximum(rel, np.maximum(sent0[rows[:, 2]], got0[rows[:, 3]]))  # after the time-0 messages
+        merge_dev.append(rows[:, 3])
+        merge_arrive.append(start + np.where(inter, prof.inter_alpha, prof.intra_alpha) + sec)
+        merge_sec.append(merge_seconds(nbytes, prof.mem_bw))
+        merge_rd.append(np.maximum(rel, got0[rows[:, 3]]))
+        merge_q.append(sec)
         jobs_src.append(rows[:, 2])
         jobs_dst.append(rows[:, 3])
-        jobs_rel.append(rel)
+        jobs_rs.append(np.maximum(rel, sent0[rows[:, 2]]))
+        jobs_rd.append(merge_rd[-1])
         jobs_sec.append(sec)
-    src, dst, rel, sec = (np.concatenate(j) for j in (jobs_src, jobs_dst, jobs_rel, jobs_sec))
-    return float(np.maximum.reduce([busy, chain, release_bound(dst, rel, sec, n), release_bound(src, rel, sec, n),
-                                    release_bound(sh.msrc, tail, msec, n)]).max())
+    merges = np.zeros(n)
+    if merge_dev:
+        mdev, arrive, msec_, mrd, mq = (np.concatenate(v) for v in (merge_dev, merge_arrive, merge_sec, merge_rd,
+                                                                     merge_q))
+        merges = np.maximum(release_bound(mdev, np.maximum(arrive, busy[mdev]), msec_, n),  # after the last block
+                            release_bound(mdev, mrd, mq, n, tail=msec_))
+    src, dst, rs, rd, sec = (np.concatenate(j) for j in (jobs_src, jobs_dst, jobs_rs, jobs_rd, jobs_sec))
+    return float(np.maximum.reduce([busy, chain, merges, release_bound(dst, rd, sec, n),
+                                    release_bound(src, rs, sec, n), release_bound(sh.msrc, tail, msec, n)]).max())
+
+
+def _posting_waits(ir: PlanIR, sh: _Shape, arrival: np.ndarray, start: np.ndarray, chain: np.ndarray) -> None:
+    """Waits in a stage's posting, before any of its blocks (emit): a device
+    waits for every block it forwards before posting the send, and without
+    overlap for every data message it receives right after posting. Raises
+    ``start`` (per block in program order: a lower bound of its start) at a
+    device's first block of that stage or later, and ``chain`` (per device: a
+    lower bound of its end)."""
+    s, n = ir.need_schedule(), ir.devices
+    post = np.maximum(sh.mstage - 1, 0) if s.overlap else sh.mstage
+    out, inp = sh.forwards[:, 0], sh.forwards[:, 1]
+    dev, at, wait = [sh.msrc[out]], [post[out]], [arrival[inp]]
+    if not s.overlap:
+        dev.append(sh.mdst)
+        at.append(post)
+        wait.append(arrival)
+    dev, at, wait = (np.concatenate(v) for v in (dev, at, wait))
+    np.maximum.at(chain, dev, wait)
+    span = int(max(s.stages, int(sh.stage.max(initial=0)) + 1, int(at.max(initial=0)) + 1))
+    key = sh.dev * span + sh.stage  # ascending: program order is device, then stage
+    pos = np.searchsorted(key, dev * span + at)
+    ok = pos < len(key)
+    ok[ok] = sh.dev[pos[ok]] == dev[ok]
+    np.maximum.at(start, pos[ok], wait[ok])
+
+
+def _sweep_arrivals(sh: _Shape, msec: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per message the earliest it can arrive (:func:`_sweep`; forwards
+    after what they forward; else 0: no bound) and the earliest both ends
+    can have posted it (-1: not known to come after the sweep); per device
+    the seconds of the sweep's messages it sends and receives (its queues
+    are busy that long from time 0)."""
+    arrival, ready = np.zeros(len(msec)), np.full(len(msec), -1.0)
+    if sh.sweep is None or not len(sh.sweep):
+        return arrival, ready, np.zeros(n), np.zeros(n)
+    m = sh.sweep  # in message order: by source, then destination
+    by_dst = m[np.lexsort((sh.msrc[m], sh.mdst[m]))]
+    for o, queue in ((m, sh.msrc[m]), (by_dst, sh.mdst[by_dst])):  # each queue in its sweep order
+        run = _segment_cumsum(msec[o], np.flatnonzero(np.r_[True, queue[1:] != queue[:-1]]))
+        arrival[o] = np.maximum(arrival[o], run)
+    sent0, got0 = np.bincount(sh.msrc[m], weights=msec[m], minlength=n), np.bincount(sh.mdst[m], weights=msec[m],
+                                                                                      minlength=n)
+    out, inp = sh.forwards[:, 0], sh.forwards[:, 1]
+    for stage in np.unique(sh.mstage[out]).tolist():  # a forward is posted after what it forwards arrived
+        k = sh.mstage[out] == stage
+        np.maximum.at(ready, out[k], arrival[inp[k]])
+        o = np.unique(out[k])
+        arrival[o] = np.maximum(arrival[o], np.maximum(ready[o], np.maximum(sent0[sh.msrc[o]], got0[sh.mdst[o]]))
+                                + msec[o])
+    return arrival, ready, sent0, got0
 
 
 def schedule_bound(ir: PlanIR, prof) -> tuple[float, float]:
@@ -201,6 +355,33 @@ def schedule_bound(ir: PlanIR, prof) -> tuple[float, float]:
         return 0.0, 0.0
     g = ir.need_graph()
     rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
-    fwd = cb_seconds(g, prof, launch=not prof.fused) / rate  # fused: a launch per run, here none (a lower bound)
+    fwd = cb_seconds(g, prof, launch=not prof.fused) / rate
     sh = _shape(ir)
-    return _phase_bound(ir, prof, FWD, sh, fwd), _phase_bound(ir, prof, BWD, sh, fwd * prof.bwd_factor)
+    launch = prof.launch_s / rate if prof.fused else 0.0  # fused: a launch per run of blocks, else in ``fwd``
+    return (_phase_bound(ir, prof, FWD, sh, fwd, launch),
+            _phase_bound(ir, prof, BWD, sh, fwd * prof.bwd_factor, launch * prof.bwd_factor))
+
+
+def _run_starts(ir: PlanIR, sh: _Shape, phase: int) -> np.ndarray:
+    """Positions (in program order) of blocks that surely begin a run of
+    consecutive compute instructions (a fused profile launches one kernel
+    per run): a device's first block; and with overlap a block that waits
+    for a message first (emit puts the wait right before it, unless the
+    device waits for it earlier: while posting a forward), and the block
+    after the last writer of a device's partials for one home (a message of
+    partials is sent right after its last writer, and whatever the stages
+    split them into, one message holds that last one)."""
+    first = [sh.starts]
+    if ir.need_schedule().overlap:
+        if sh.need is not None:
+            forwarded = np.zeros(len(sh.msrc), bool)
+            forwarded[sh.forwards[:, 1]] = True
+            first.append(sh.need[(sh.need < len(sh.order)) & ~forwarded])
+        mx = np.full(ir.devices * ir.devices, -1, np.int64)  # per (source, home): its last partial's writer
+        for rows, _, last in sh.partials[phase]:  # dQ and dKV share messages: one maximum over both
+            np.maximum.at(mx, rows[:, 2] * ir.devices + rows[:, 3], last)
+        after = mx[mx >= 0] + 1
+        ok = after < len(sh.dev)
+        ok[ok] = sh.dev[after[ok]] == sh.dev[after[ok] - 1]
+        first.append(after[ok])
+    return np.unique(np.concatenate(first).astype(np.int64))
