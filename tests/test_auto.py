@@ -58,20 +58,29 @@ def test_every_strategy_is_simulated_or_pruned_with_a_reason(auto_plan):
 
 
 def test_pruned_strategies_are_beaten_by_their_lower_bound(auto_plan):
-    """Candidates are simulated best estimate first until the next estimate
-    (a lower bound) reaches the best predicted time so far (a tie it could
-    only lose: its estimate is not below the best's)."""
+    """Candidates are finished smallest bound first — the larger of the
+    estimate and the (shaded) schedule bound — while that bound is below
+    the best predicted time so far; every other placed one is pruned by its
+    estimate or by its schedule bound reaching the best (a tie it could only
+    lose). Bounds are recomputed here from each strategy compiled alone."""
+    from attnplan.tools.auto_schedule import schedule_bound
     m = auto_plan.meta
-    est, cands = m["estimates"], m["candidates"]
-    ranked = sorted(est, key=lambda n: (est[n], n))
-    assert ranked[0] in cands
+    est, cands, prof = m["estimates"], m["candidates"], get_profile("h100")
+    bound = {n: max(est[n], sum(schedule_bound(attnplan.compile(strategy=n, **KW).ir, prof)) * (1 - auto._SHADE))
+             for n in est}
     best = min(cands.values())
-    for i, name in enumerate(ranked):
-        if name in cands:
-            done = [cands[n] for n in ranked[:i] if n in cands]
-            assert not done or est[name] < min(done) * (1 - 1e-9)
+    done: list[float] = []
+    for name in sorted(cands, key=lambda n: (bound[n], n)):  # the order auto finished them in
+        assert not done or bound[name] < min(done) * (1 - 1e-9), name
+        done.append(cands[name])
+    for name in set(est) - set(cands):
+        reason = m["pruned"][name]
+        assert reason.startswith("lower bound"), reason
+        if "from its schedule" in reason:
+            assert bound[name] >= best * (1 - 1e-9), name
         else:
-            assert est[name] >= best * (1 - 1e-9) and m["pruned"][name].startswith("lower bound")
+            assert est[name] >= best * (1 - 1e-9), name
+    assert any("from its schedule" in r for r in m["pruned"].values())  # the case shows both kinds of pruning
 
 
 def auto_kwargs(seqlens, mask="causal"):

@@ -302,15 +302,13 @@ def _posting_waits(ir: PlanIR, sh: _Shape, arrival: np.ndarray, start: np.ndarra
     ``start`` (per block in program order: a lower bound of its start) at a
     device's first block of that stage or later, and ``chain`` (per device: a
     lower bound of its end)."""
-    s, n = ir.need_schedule(), ir.devices
+    s = ir.need_schedule()
     post = np.maximum(sh.mstage - 1, 0) if s.overlap else sh.mstage
     out, inp = sh.forwards[:, 0], sh.forwards[:, 1]
-    dev, at, wait = [sh.msrc[out]], [post[out]], [arrival[inp]]
+    parts = [(sh.msrc[out], post[out], arrival[inp])]
     if not s.overlap:
-        dev.append(sh.mdst)
-        at.append(post)
-        wait.append(arrival)
-    dev, at, wait = (np.concatenate(v) for v in (dev, at, wait))
+        parts.append((sh.mdst, post, arrival))
+    dev, at, wait = (np.concatenate(v) for v in zip(*parts))
     np.maximum.at(chain, dev, wait)
     span = int(max(s.stages, int(sh.stage.max(initial=0)) + 1, int(at.max(initial=0)) + 1))
     key = sh.dev * span + sh.stage  # ascending: program order is device, then stage
