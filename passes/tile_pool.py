@@ -131,6 +131,7 @@ class _PoolState:
         self.q_held = [1 if b > 0 else 0 for b in self.qb]
         self.kv_held = [1 if b > 0 else 0 for b in self.kb]
         self._outside: dict[tuple[int, int], np.ndarray] = {}
+        self._no_reservations = [0.0] * n
 
     def place(self, w: float, qk: int, kk: int, own: int) -> int:
         if own >= 0:
@@ -155,40 +156,45 @@ class _PoolState:
                 self.kv_held[kk] += self.kv_held[kk] > 0
         return d
 
-    def _added(self, d: int, qk: int, kk: int, hq: int, hk: int) -> float:
-        """The weighted bytes device ``d`` would add for the block's Q (+ partial O) and KV."""
-        per, ic = self.per, self.ic
-        q = 0.0 if d == hq or d in self.q_extra.get(qk, ()) else self.qb[qk] * (1.0 if d // per == hq // per else ic)
-        k = 0.0 if d == hk or d in self.kv_extra.get(kk, ()) else self.kb[kk] * (1.0 if d // per == hk // per else ic)
-        return q + k
-
     def _choose(self, w: float, qk: int, kk: int, own: int) -> int:
-        hq, hk, per, lo, res, cap = self.key_home[qk], self.key_home[kk], self.per, self.lo, self.res, self.cap
-        nq, nk = hq // per, hk // per
-        qx, kx = self.q_extra.get(qk, _NONE), self.kv_extra.get(kk, _NONE)
-        qb, kb, ic = self.qb[qk], self.kb[kk], self.ic
-        q_far, k_far = qb * ic, kb * ic
+        per = self.per
+        nq, nk = self.key_home[qk] // per, self.key_home[kk] // per
         near = list(range(nq * per, (nq + 1) * per))
         if nk != nq:
             near += range(nk * per, (nk + 1) * per)
-        near += [d for d in qx | kx if d // per != nq and d // per != nk]
-        ba, bl, bd = math.inf, math.inf, -1  # the best (added bytes, load, device) so far
-        for d in near:  # _added inlined: this loop is most of tile_pool's time
+        near += [d for d in self.q_extra.get(qk, _NONE) | self.kv_extra.get(kk, _NONE) if d // per not in (nq, nk)]
+        ba, bl, bd = self._scan(near, w, qk, kk, own, self.res)
+        if len(near) < self.n:
+            far = self.qb[qk] * self.ic + self.kb[kk] * self.ic  # what every device off both nodes adds (or less)
+            if bd < 0 or far <= ba:
+                d = self._least_loaded_off(nq, nk, w, own)
+                if d >= 0 and (bd < 0 or (far, self.lo[d], d) < (ba, bl, bd)):
+                    bd = d
+        if bd >= 0:
+            return bd
+        return self._no_room(w, qk, kk)
+
+    def _scan(self, devices, w: float, qk: int, kk: int, own: int, res: list) -> tuple[float, float, int]:
+        """The best (added weighted bytes, load, device) among ``devices``
+        with room under the cap counting ``res`` (none for ``own``, whose
+        reservation is this block); device -1 if none has room. A device adds
+        0 for the Q (+ partial O) or KV it holds, else its bytes times 1 on
+        the home's node, ``inter_cost`` elsewhere. This loop is most of
+        tile_pool's time: everything it reads is a local."""
+        hq, hk, per, lo, cap = self.key_home[qk], self.key_home[kk], self.per, self.lo, self.cap
+        nq, nk = hq // per, hk // per
+        qx, kx = self.q_extra.get(qk, _NONE), self.kv_extra.get(kk, _NONE)
+        qb, kb = self.qb[qk], self.kb[kk]
+        q_far, k_far = qb * self.ic, kb * self.ic
+        ba, bl, bd = math.inf, math.inf, -1
+        for d in devices:
             if (lo[d] + w <= cap) if d == own else (lo[d] + res[d] + w <= cap):
                 nd = d // per
                 a = ((0.0 if d == hq or d in qx else (qb if nd == nq else q_far))
                      + (0.0 if d == hk or d in kx else (kb if nd == nk else k_far)))
                 if a < ba or (a == ba and (lo[d] < bl or (lo[d] == bl and d < bd))):
                     ba, bl, bd = a, lo[d], d
-        if len(near) < self.n:
-            far = q_far + k_far  # what every device off both nodes adds (or less)
-            if bd < 0 or far <= ba:
-                d = self._least_loaded_off(nq, nk, w, own)
-                if d >= 0 and (bd < 0 or (far, lo[d], d) < (ba, bl, bd)):
-                    bd = d
-        if bd >= 0:
-            return bd
-        return self._no_room(w, qk, kk)
+        return ba, bl, bd
 
     def _least_loaded_off(self, nq: int, nk: int, w: float, own: int) -> int:
         """The least-loaded device with room off the nodes ``nq`` and ``nk`` (lowest id on ties); -1 if none."""
@@ -206,13 +212,8 @@ class _PoolState:
     def _no_room(self, w: float, qk: int, kk: int) -> int:
         """No device has room counting reservations: the fewest added bytes
         among those with room without them, else the least-loaded device."""
-        room = self.load + w <= self.cap
-        if not room.any():
-            return int(np.argmin(self.load))
-        hq, hk = self.key_home[qk], self.key_home[kk]
-        added = np.array([self._added(d, qk, kk, hq, hk) for d in range(self.n)])
-        key = np.where(room, added, np.inf)
-        return int(np.argmin(np.where(key == key.min(), self.load, np.inf)))
+        d = self._scan(range(self.n), w, qk, kk, -1, self._no_reservations)[2]
+        return d if d >= 0 else int(np.argmin(self.load))
 
 
 @register

@@ -137,34 +137,31 @@ def _shape(ir: PlanIR) -> _Shape:
     x = s.xfer[s.xfer[:, XK] != X_O]
     keys, msg = np.unique((x[:, XSTAGE] * n + x[:, XSRC]) * n + x[:, XDST], return_inverse=True)
     msg = msg.ravel()
-    need = _first_need(g, pl, x, msg, order, len(keys))
+    received = _received(g, n, x)
+    need = _first_need(g, pl, received, msg, order, len(keys))
     pos = np.empty(len(order), np.int64)
     pos[order] = np.arange(len(order))
     o = s.xfer[s.xfer[:, XK] == X_O][:, [XTB, XHG, XSRC, XDST]]
     dkv = needed_transfers(g, pl)[X_KV][:, [0, 1, 3, 2]]  # (tb, hg, home, device): dKV goes device -> home
     o_last, kv_last = _last_writer(g, pl, o, False, pos), _last_writer(g, pl, dkv, True, pos)
-    msrc, mdst = (keys // n) % n, keys % n
-    return _Shape(order, dev, s.cb_stage[order], starts, x, msg, msrc, mdst, need, _sweep(pl, x, keys // (n * n)),
-                  keys // (n * n), _forwards(g, pl, x, msg),
+    mstage, msrc, mdst = keys // (n * n), (keys // n) % n, keys % n
+    return _Shape(order, dev, s.cb_stage[order], starts, x, msg, msrc, mdst, need, _sweep(pl, x, mstage), mstage,
+                  _forwards(g, pl, x, msg, received),
                   (((o, B_O, o_last),), ((o, B_DQ, o_last), (dkv, B_DKV, kv_last))))
 
 
-def _forwards(g, pl, x: np.ndarray, msg: np.ndarray) -> np.ndarray:
+def _forwards(g, pl, x: np.ndarray, msg: np.ndarray, received) -> np.ndarray:
     """(message, message of the block it forwards) pairs: a transfer from a
     device that is not the block's home sends what an earlier transfer
     brought there (emit waits for that one before posting the send)."""
-    n = pl.devices
-    base = (x[:, XK] * g.n_tb + x[:, XTB]) * g.n_hg + x[:, XHG]
     fwd = np.flatnonzero(pl.home[x[:, XTB]] != x[:, XSRC])
     if not len(fwd):
         return np.zeros((0, 2), np.int64)
-    key = base * n + x[:, XDST]
-    srt = np.argsort(key, kind="stable")
-    want = base[fwd] * n + x[fwd, XSRC]
-    lo, hi = np.searchsorted(key[srt], want), np.searchsorted(key[srt], want, side="right")
+    key, srt = received
+    want = _copy_key(g, pl.devices, x[fwd, XK], x[fwd, XTB], x[fwd, XHG], x[fwd, XSRC])
+    lo, hi = np.searchsorted(key, want), np.searchsorted(key, want, side="right")
     ok = hi - lo == 1  # the one transfer that brought it (a block brought twice: which one is not known; no pair)
-    pairs = np.column_stack([msg[fwd[ok]], msg[srt[lo[ok]]]])
-    return np.unique(pairs, axis=0)
+    return np.unique(np.column_stack([msg[fwd[ok]], msg[srt[lo[ok]]]]), axis=0)
 
 
 def _sweep(pl, x: np.ndarray, stage: np.ndarray) -> np.ndarray | None:
@@ -190,14 +187,24 @@ def _sweep(pl, x: np.ndarray, stage: np.ndarray) -> np.ndarray | None:
     return np.flatnonzero(stage == 0)
 
 
-def _first_need(g, pl, x: np.ndarray, msg: np.ndarray, order: np.ndarray, n_msg: int) -> np.ndarray | None:
+def _copy_key(g, n: int, kind, tb, hg, dev):
+    """The key of a copy of block (``kind``, ``tb``, ``hg``) on device ``dev``."""
+    return ((kind * g.n_tb + tb) * g.n_hg + hg) * n + dev
+
+
+def _received(g, n: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The data transfers keyed by the copy they bring (:func:`_copy_key` at
+    their destination): (sorted keys, the transfer of each)."""
+    key = _copy_key(g, n, x[:, XK], x[:, XTB], x[:, XHG], x[:, XDST])
+    srt = np.argsort(key, kind="stable")
+    return key[srt], srt
+
+
+def _first_need(g, pl, received, msg: np.ndarray, order: np.ndarray, n_msg: int) -> np.ndarray | None:
     """Per data message: the program position (in ``order``) of the first
     block that reads it, ``len(order)`` if none; None where a device would
     receive one block twice (then which copy a block reads is not known)."""
-    n = pl.devices
-    key = ((x[:, XK] * g.n_tb + x[:, XTB]) * g.n_hg + x[:, XHG]) * n + x[:, XDST]
-    srt = np.argsort(key, kind="stable")
-    key = key[srt]
+    key, srt = received
     if len(key) > 1 and (key[1:] == key[:-1]).any():
         return None
     first = np.full(n_msg, len(order), np.int64)
@@ -206,7 +213,7 @@ def _first_need(g, pl, x: np.ndarray, msg: np.ndarray, order: np.ndarray, n_msg:
         rem = np.flatnonzero(pl.home[tb] != dev)
         if not len(rem):
             continue
-        want = ((kind * g.n_tb + tb[rem]) * g.n_hg + hg[rem]) * n + dev[rem]
+        want = _copy_key(g, pl.devices, kind, tb[rem], hg[rem], dev[rem])
         pos = np.minimum(np.searchsorted(key, want), max(len(key) - 1, 0))
         if not len(key) or (key[pos] != want).any():
             return None  # an operand that arrives by no transfer: not a plan emit accepts
@@ -264,35 +271,40 @@ def _phase_bound(ir: PlanIR, prof, phase: int, sh: _Shape, cost: np.ndarray, lau
     # per queue job: its device, its release on the send and on the receive queue, its seconds; a job that comes
     # after the sweep (forwards, partials) starts on each queue after that queue's stage-0 messages too
     after = ready >= 0
-    jobs_src, jobs_dst, jobs_sec = [sh.msrc], [sh.mdst], [msec]
-    jobs_rs = [np.where(after, np.maximum(ready, sent0[sh.msrc]), 0.0)]
-    jobs_rd = [np.where(after, np.maximum(ready, got0[sh.mdst]), 0.0)]
-    merge_dev, merge_arrive, merge_sec, merge_rd, merge_q = [], [], [], [], []
+    jobs = ([sh.msrc], [sh.mdst], [np.where(after, np.maximum(ready, sent0[sh.msrc]), 0.0)],
+            [np.where(after, np.maximum(ready, got0[sh.mdst]), 0.0)], [msec])
+    merges = _partial_jobs(ir, prof, phase, sh, end, busy, sent0, got0, jobs)
+    src, dst, rs, rd, sec = (np.concatenate(j) for j in jobs)
+    return float(np.maximum.reduce([busy, chain, merges, release_bound(dst, rd, sec, n),
+                                    release_bound(src, rs, sec, n), release_bound(sh.msrc, tail, msec, n)]).max())
+
+
+def _partial_jobs(ir: PlanIR, prof, phase: int, sh: _Shape, end: np.ndarray, busy: np.ndarray, sent0: np.ndarray,
+                  got0: np.ndarray, jobs: tuple) -> np.ndarray:
+    """The partial outputs of one phase: each leaves after its last writer
+    (``end`` of it) and after both queues' stage-0 messages; appended to
+    ``jobs`` (source, destination, release on the send and on the receive
+    queue, seconds). Returns per home the bound of its merges (module doc)
+    after its last block (``busy``)."""
+    g, per_node = ir.need_graph(), ir.need_placement().devices_per_node
+    parts = []  # per kind: (home, earliest arrival, merge seconds, release on the home's queue, queue seconds)
     for rows, kind, last in sh.partials[phase]:
         nbytes = buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]).astype(float)
         inter = (rows[:, 2] // per_node) != (rows[:, 3] // per_node)
         sec = nbytes / np.where(inter, prof.inter_bw, prof.intra_bw)  # alpha once per message: not per row
         rel = np.where(last >= 0, end[np.maximum(last, 0)], 0.0)
         start = np.maximum(rel, np.maximum(sent0[rows[:, 2]], got0[rows[:, 3]]))  # after the time-0 messages
-        merge_dev.append(rows[:, 3])
-        merge_arrive.append(start + np.where(inter, prof.inter_alpha, prof.intra_alpha) + sec)
-        merge_sec.append(merge_seconds(nbytes, prof.mem_bw))
-        merge_rd.append(np.maximum(rel, got0[rows[:, 3]]))
-        merge_q.append(sec)
-        jobs_src.append(rows[:, 2])
-        jobs_dst.append(rows[:, 3])
-        jobs_rs.append(np.maximum(rel, sent0[rows[:, 2]]))
-        jobs_rd.append(merge_rd[-1])
-        jobs_sec.append(sec)
-    merges = np.zeros(n)
-    if merge_dev:
-        mdev, arrive, msec_, mrd, mq = (np.concatenate(v) for v in (merge_dev, merge_arrive, merge_sec, merge_rd,
-                                                                     merge_q))
-        merges = np.maximum(release_bound(mdev, np.maximum(arrive, busy[mdev]), msec_, n),  # after the last block
-                            release_bound(mdev, mrd, mq, n, tail=msec_))
-    src, dst, rs, rd, sec = (np.concatenate(j) for j in (jobs_src, jobs_dst, jobs_rs, jobs_rd, jobs_sec))
-    return float(np.maximum.reduce([busy, chain, merges, release_bound(dst, rd, sec, n),
-                                    release_bound(src, rs, sec, n), release_bound(sh.msrc, tail, msec, n)]).max())
+        rd = np.maximum(rel, got0[rows[:, 3]])
+        parts.append((rows[:, 3], start + np.where(inter, prof.inter_alpha, prof.intra_alpha) + sec,
+                      merge_seconds(nbytes, prof.mem_bw), rd, sec))
+        for j, v in zip(jobs, (rows[:, 2], rows[:, 3], np.maximum(rel, sent0[rows[:, 2]]), rd, sec)):
+            j.append(v)
+    n = len(busy)
+    if not parts:
+        return np.zeros(n)
+    home, arrive, merge, home_rd, queue = (np.concatenate(v) for v in zip(*parts))
+    return np.maximum(release_bound(home, np.maximum(arrive, busy[home]), merge, n),  # one by one, after its last block
+                      release_bound(home, home_rd, queue, n, tail=merge))  # a flow shop behind the receive queue
 
 
 def _posting_waits(ir: PlanIR, sh: _Shape, arrival: np.ndarray, start: np.ndarray, chain: np.ndarray) -> None:
