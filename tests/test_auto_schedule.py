@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import attnplan
 from attnplan.backends.cost import get_profile, link_seconds, run_starts, simulate
-from attnplan.ir.program import A1, B_KV, B_Q, BWD, FWD, M_DST, M_PHASE, M_SRC, M_START, OP, T_KIND, buffer_bytes
+from attnplan.ir.program import (A1, B_KV, B_Q, BWD, FWD, M_BYTES, M_DST, M_END, M_PHASE, M_SRC, M_START, OP, T_KIND,
+                                 buffer_bytes)
 from attnplan.ir.schedule import X_Q, XHG, XK, XTB
 from attnplan.tools import auto_schedule
 from attnplan.tools.auto import estimate
@@ -93,6 +94,36 @@ def test_messages_posted_at_time_0_arrive_when_the_sweep_says(lens, devices, nam
         by_link = {(int(M[m, M_SRC]), int(M[m, M_DST])): ends[m] for m in data}
         for m in range(len(sh.msrc)):
             assert np.isclose(arrival[m], by_link[int(sh.msrc[m]), int(sh.mdst[m])], rtol=1e-12, atol=0)
+
+
+@settings(max_examples=25)
+@given(lens=st.lists(st.integers(1, 1500), min_size=1, max_size=8), devices=st.sampled_from([2, 4, 8]),
+       name=st.sampled_from([n for n in attnplan.strategies() if n != "ulysses"] + ["ulysses"]),
+       comm=st.sampled_from(COMMS[:3]), overlap=st.booleans(), divide=st.booleans())
+@example(lens=[955, 767, 405, 462, 62, 113], devices=4, name="hypergraph", comm="mode=p2p,relay=node", overlap=True,
+         divide=False)  # partials of one device for one home sent in two stages (their last writers' stages)
+def test_partial_outputs_are_grouped_into_the_messages_emit_sends(lens, devices, name, comm, overlap, divide):
+    """The bound charges one latency per message of partial outputs (the
+    bulk of the backward's messages at 256 devices): its grouping is emit's
+    — per phase the same messages (source, destination, rows and bytes)."""
+    try:
+        plan = attnplan.compile(seqlens=lens, mask="causal", devices=devices, nodes=2 if devices >= 4 else 1,
+                                pipeline=pipeline(name, comm, overlap, divide), **SHAPE)
+    except attnplan.PlanError:
+        return
+    ir, g = plan.ir, plan.ir.graph
+    sh = auto_schedule._shape(ir)
+    M, X = ir.program.messages, ir.program.transfers
+    for phase in (FWD, BWD):
+        parts = sh.partials[phase]
+        rows = np.concatenate([r for r, _, _ in parts])
+        nbytes = np.concatenate([buffer_bytes(g, phase, k, r[:, 0], r[:, 1]) for r, k, _ in parts])
+        msg, src, dst = auto_schedule._partial_messages(ir, sh, rows, np.concatenate([w for _, _, w in parts]))
+        mine = sorted(zip(src.tolist(), dst.tolist(), np.bincount(msg, minlength=len(src)).tolist(),
+                          np.bincount(msg, weights=nbytes, minlength=len(src)).astype(np.int64).tolist()))
+        emitted = sorted((int(M[m, M_SRC]), int(M[m, M_DST]), int(M[m, M_END] - M[m, M_START]), int(M[m, M_BYTES]))
+                         for m in range(len(M)) if M[m, M_PHASE] == phase and X[M[m, M_START], T_KIND] > B_KV)
+        assert mine == emitted
 
 
 @settings(max_examples=25)
