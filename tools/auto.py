@@ -55,12 +55,13 @@ than the best simulated plan's whole makespan cannot win.
    are exact; a forward leaves after what it forwards arrived; a block waits
    for its operands' messages, a relay for what it forwards; a fused
    kernel launches once per run of blocks; a partial output leaves after its
-   last writer and is merged after it arrives (3–10 ms where emitting and
-   simulating take 20–60 ms). Tighter than the estimate: on libra-512k-0 at
-   32 devices 0.88–0.99 of the predicted time (the forward alone exact for
-   dacp, per_doc and minheap) where the estimate is 0.59–0.80, which prunes
-   tile_pool, minheap, dacp and their ``:direct`` variants there without
-   emitting them. The first candidate goes through it too (it is never
+   last writer, in the messages emit groups it in, and is merged after it
+   arrives (3–40 ms where emitting and simulating take 20–300 ms). Tighter
+   than the estimate: 0.91–1.0 of the predicted time for every strategy
+   on libra-512k-0 at 32 devices, github-512k-1 at 64 and lmsys-512k-0 at
+   256 (the forward alone exact for most), where the estimate is
+   0.59–0.80, which prunes every candidate but the winner there without
+   emitting it. The first candidate goes through it too (it is never
    emitted before a lower schedule bound): on the 4M batch at 32 devices
    minheap has the lowest estimate and loses, and its schedule bound now
    says so before emitting it.
