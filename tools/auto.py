@@ -60,8 +60,9 @@ than the best simulated plan's whole makespan cannot win.
    than the estimate: 0.91–1.0 of the predicted time for every strategy
    on libra-512k-0 at 32 devices, github-512k-1 at 64 and lmsys-512k-0 at
    256 (the forward alone exact for most), where the estimate is
-   0.59–0.80, which prunes every candidate but the winner there without
-   emitting it. The first candidate goes through it too (it is never
+   0.59–0.80; on the 4M batch at 32 devices, libra-512k-0 at 32 and 64,
+   github-512k-1 at 64 and llama3sft-512k-0 at 256 only the winner is
+   emitted. The first candidate goes through it too (it is never
    emitted before a lower schedule bound): on the 4M batch at 32 devices
    minheap has the lowest estimate and loses, and its schedule bound now
    says so before emitting it.

@@ -39,7 +39,7 @@ last writes it, and the home merges it only after it arrives. Per phase:
   both queues' stage-0 messages, and arrives at least ``alpha + bytes /
   bandwidth`` later, then the home merges its rows. Charging the latency
   per message, not per row as before, raised the backward bound at 256
-  devices from 0.65–0.75 of the simulation to 0.98–1.0: a device's
+  devices from 0.65–0.75 of the simulation to 0.95–1.0: a device's
   partials for some hundred homes are each mostly latency;
 - **queues with release dates or tails**: the messages a device receives
   (or sends; it waits for all of them before it ends) take at least
