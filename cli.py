@@ -219,7 +219,8 @@ def _add_inspect(sub) -> None:
 
 
 def _add_run(sub) -> None:
-    r = sub.add_parser("run", help="execute a plan on CPU: in this process, or one process per device (--procs)")
+    r = sub.add_parser("run", help="execute a plan: every device in this process (on the CPU or one GPU), or one "
+                                   "process per device (--procs, CPU)")
     r.add_argument("plan")
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     r.add_argument("--check", action="store_true", help="compare outputs and gradients with dense masked attention")
@@ -232,6 +233,9 @@ def _add_run(sub) -> None:
     r.add_argument("--timeout", type=float, default=300.0,
                    help=f"seconds a transfer may take before the run fails naming the peer (multi-process runs; "
                         f"finite, at most {limits.MAX_TIMEOUT_S})")
+    r.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where this process runs every device's program: the CPU, or one CUDA GPU (transfers "
+                        "become device copies)")
     r.add_argument("--match", default=None, choices=["tag", "order"],
                    help="how messages are matched (multi-process runs): by tag (default, or $ATTNPLAN_MATCH), or "
                         "by posting order alone with one tag, as NCCL matches them")
@@ -342,6 +346,14 @@ def _cmd_run(args) -> int:
     plan = load(args.plan)
     if args.devices is not None and args.devices != plan.devices:
         raise PlanError(f"{args.plan} was compiled for {plan.devices} devices, not {args.devices}")
+    if args.device == "cuda":
+        import torch
+        if args.procs is not None:
+            raise PlanError("--procs runs gloo processes on the CPU; with --device cuda every device of the plan "
+                            "runs in this process on one GPU (for one process per GPU, call attnplan.attention "
+                            "under torchrun with an NCCL group)")
+        if not torch.cuda.is_available():
+            raise PlanError("--device cuda: torch sees no CUDA device here")
     if args.procs is not None:
         if args.procs != plan.devices:
             raise PlanError(f"{args.plan} was compiled for {plan.devices} devices; --procs must be {plan.devices}, "
@@ -354,14 +366,14 @@ def _cmd_run(args) -> int:
     from .runtime.check import check_plan, run_plan  # imports torch (~2 s): after every check
     t0 = time.perf_counter()
     if not args.check:
-        run_plan(plan, args.dtype, args.seed)
-        print(f"ran {plan.devices} devices forward+backward in {time.perf_counter() - t0:.2f} s")
+        run_plan(plan, args.dtype, args.seed, args.device)
+        print(f"ran {plan.devices} devices forward+backward on {args.device} in {time.perf_counter() - t0:.2f} s")
         return 0
-    r = check_plan(plan, args.dtype, args.seed)
+    r = check_plan(plan, args.dtype, args.seed, args.device)
     for name in ("out", "dq", "dk", "dv"):
         print(f"{name:>4}: max abs error {r[name]:.3e} (tolerance {r['tol'][name]:.1e})")
     print(f"{'PASS' if r['ok'] else 'FAIL'}: {plan.devices} devices, {plan.problem.tokens} tokens, {args.dtype}, "
-          f"{time.perf_counter() - t0:.2f} s")
+          f"{args.device}, {time.perf_counter() - t0:.2f} s")
     return 0 if r["ok"] else 1
 
 

@@ -56,6 +56,7 @@ import torch
 
 from .api import Plan, _check_plan, positive_real
 from .api import attention as _attention
+from .api import execute as _execute
 from .errors import PlanError, ShapeError
 from .ir import limits
 from .ir.mask import HI, INF, K0, K1, LO, Q0, Q1, normalize, piece_counts
@@ -91,12 +92,22 @@ class PlanContext:
     timeout: float | None
     strict: bool
     calls: int = 0                                   # attention layers run through attnplan in this context
+    virtual: bool = False                            # every device of the plan in this process, global tokens
     _mask_ok: dict = field(default_factory=dict)     # sliding window (None: causal) -> checked
     _positions: torch.Tensor | None = None
 
+    def tokens(self) -> int:
+        """The tokens a layer sees: this rank's, or (virtual) the whole batch's."""
+        return self.plan.problem.tokens if self.virtual else self.plan.local_tokens(self.rank)
+
     def positions(self) -> torch.Tensor:
         if self._positions is None:
-            self._positions = torch.from_numpy(self.plan.position_ids(self.rank))
+            if self.virtual:
+                off = self.plan.problem.offsets
+                pos = np.arange(int(off[-1]), dtype=np.int64) - np.repeat(off[:-1], np.diff(off))
+            else:
+                pos = self.plan.position_ids(self.rank)
+            self._positions = torch.from_numpy(pos)
         return self._positions
 
     def __enter__(self) -> PlanContext:
@@ -115,7 +126,8 @@ class PlanContext:
 _CURRENT: contextvars.ContextVar[PlanContext | None] = contextvars.ContextVar("attnplan_hf_plan", default=None)
 
 
-def plan_context(plan: Plan, group=None, *, timeout: float | None = None, strict: bool = True) -> PlanContext:
+def plan_context(plan: Plan, group=None, *, timeout: float | None = None, strict: bool = True,
+                 virtual: bool = False) -> PlanContext:
     """A context manager under which every ``"attnplan"`` attention layer runs
     this rank's share of ``plan`` over ``group`` (rank ``d`` of the group is
     the plan's device ``d``; default: the default group; a one-device plan
@@ -123,12 +135,20 @@ def plan_context(plan: Plan, group=None, *, timeout: float | None = None, strict
     the backward needs it only with gradient checkpointing (which runs the
     forward again during backward). ``timeout``: seconds a transfer
     may take. ``strict``: check that the plan's mask and positions are the
-    ones the layers compute with (module docstring)."""
+    ones the layers compute with (module docstring). ``virtual``: run every
+    device's program of the plan in this process (``attnplan.execute``: the
+    transfers become copies) on the whole batch in global token order — one
+    GPU checking a multi-device plan; feed the undispatched ids with
+    per-document positions."""
     _check_plan(plan)
     if timeout is not None:
         timeout = positive_real("timeout", timeout, limits.MAX_TIMEOUT_S)
     if not isinstance(strict, (bool, np.bool_)):
         raise PlanError(f"strict must be True or False, got {type(strict).__name__}")
+    if not isinstance(virtual, (bool, np.bool_)):
+        raise PlanError(f"virtual must be True or False, got {type(virtual).__name__}")
+    if virtual:
+        return PlanContext(plan, None, 0, timeout, bool(strict), virtual=True)
     return PlanContext(plan, group, _rank(plan, group), timeout, bool(strict))
 
 
@@ -198,7 +218,10 @@ def _check_shapes(ctx: PlanContext, module, query, key) -> None:
                          f"for heads={p.heads}, kv_heads={p.kv_heads}, head_dim={p.head_dim}: compile with "
                          f"heads=config.num_attention_heads, kv_heads=config.num_key_value_heads and the model's "
                          f"head_dim")
-    n = ctx.plan.local_tokens(ctx.rank)
+    n = ctx.tokens()
+    if t != n and ctx.virtual:
+        raise ShapeError(f"{where} got {t} tokens but the plan's batch has {n} (a virtual context runs the whole "
+                         f"batch: feed every token, undispatched)")
     if t != n:
         raise ShapeError(f"{where} got {t} tokens but the plan gives this rank {n} of the batch's {p.tokens}: feed "
                          f"plan.dispatch(input_ids) of a batch with the plan's document lengths")
@@ -286,7 +309,10 @@ def attention_forward(module, query, key, value, attention_mask=None, scaling: f
             _check_positions(ctx, module, kwargs["position_ids"])
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))   # [T, H, D] views; attention copies once
     # the layer's scaling (head_dim ** -0.5 in Llama/Qwen2/Mistral; the runtime checks it is finite and > 0)
-    out = _attention(q, k, v, ctx.plan, ctx.group, softmax_scale=scaling, timeout=ctx.timeout)
+    if ctx.virtual:
+        out = _execute(ctx.plan, q, k, v, softmax_scale=scaling)
+    else:
+        out = _attention(q, k, v, ctx.plan, ctx.group, softmax_scale=scaling, timeout=ctx.timeout)
     ctx.calls += 1
     return out.unsqueeze(0), None
 

@@ -3,6 +3,7 @@
     python examples/hf_train.py --strategy hypergraph             # 2 gloo processes, 20 steps
     python examples/hf_train.py --model qwen2 --reference         # one process, attn_implementation="sdpa"
     python examples/hf_train.py --strategy dacp --check           # both, and their largest relative differences
+    python examples/hf_train.py --device cuda --check             # one GPU: a 1-device and a 2-virtual-device plan
     torchrun --nproc-per-node 2 examples/hf_train.py --strategy minheap
 
 The model is ``AutoModelForCausalLM.from_config`` of a tiny config (random
@@ -119,7 +120,7 @@ def compile_plan(cfg: dict, seqlens, devices: int):
 def _grads(model) -> dict:
     """Every parameter's gradient as a numpy array (tensors would cross the
     launcher's result queue as shared memory that dies with the process)."""
-    return {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
+    return {n: p.grad.detach().cpu().numpy().copy() for n, p in model.named_parameters()}
 
 
 # training ---------------------------------------------------------------------------------------
@@ -156,23 +157,56 @@ def train(rank: int, world: int, cfg: dict, group=None) -> dict:
     return {"losses": losses, "grads": grads}
 
 
+def train_local(cfg: dict, devices: int = 1, device: str = "cpu") -> dict:
+    """The training of :func:`train` in this one process on ``device``: a
+    1-device plan through ``attnplan.attention`` on this rank's tokens, a
+    plan for more devices through a virtual ``plan_context`` (every device's
+    program here, on the whole batch in global order)."""
+    model = make_model(cfg, "attnplan").to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    losses: list[float] = []
+    grads: dict = {}
+    virtual = devices > 1
+    for step, batch in zip(range(cfg["steps"]), batches(cfg)):
+        plan = compile_plan(cfg, batch["seqlens"], devices)
+        ids = torch.from_numpy(batch["ids"])
+        labels = attnplan.hf.packed_labels(plan, ids)
+        n_labels = int((labels != attnplan.hf.IGNORE_INDEX).sum())
+        if virtual:
+            pos = np.concatenate([np.arange(n) for n in batch["seqlens"]])
+        else:
+            ids, labels, pos = plan.dispatch(ids, 0), plan.dispatch(labels, 0), plan.position_ids(0)
+        ids, labels, pos = ids.to(device), labels.to(device), torch.from_numpy(pos).to(device)
+        with attnplan.hf.plan_context(plan, virtual=virtual):
+            logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=attnplan.hf.IGNORE_INDEX,
+                               reduction="sum") / n_labels
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if step == 0:
+            grads = _grads(model)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "grads": grads}
+
+
 def train_many(rank: int, world: int, cfgs: list) -> list:
     """:func:`train` for several configs in the same processes (tests)."""
     return [train(rank, world, cfg) for cfg in cfgs]
 
 
-def train_reference(cfg: dict) -> dict:
+def train_reference(cfg: dict, device: str = "cpu") -> dict:
     """The same training in one process with ``attn_implementation="sdpa"`` on
     the whole packed row: per-document ``position_ids`` and no attention mask,
     from which transformers builds the per-document causal mask."""
-    model = make_model(cfg, "sdpa")
+    model = make_model(cfg, "sdpa").to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     losses: list[float] = []
     grads: dict = {}
     for step, batch in zip(range(cfg["steps"]), batches(cfg)):
-        ids = torch.from_numpy(batch["ids"])
-        labels = reference_labels(batch["ids"], batch["seqlens"])
-        pos = torch.from_numpy(np.concatenate([np.arange(n) for n in batch["seqlens"]]))
+        ids = torch.from_numpy(batch["ids"]).to(device)
+        labels = reference_labels(batch["ids"], batch["seqlens"]).to(device)
+        pos = torch.from_numpy(np.concatenate([np.arange(n) for n in batch["seqlens"]])).to(device)
         logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
         loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / int((labels != -100).sum())
         opt.zero_grad(set_to_none=True)
@@ -234,8 +268,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", action="store_true", help="one process, attn_implementation='sdpa'")
     ap.add_argument("--check", action="store_true", help="run both and print their largest relative differences")
     ap.add_argument("--json", help="write the loss curve here")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: one process on the GPU, a 1-device plan and a 2-virtual-device plan")
     a = ap.parse_args(argv)
     cfg = dict(CONFIG, model=a.model, strategy=a.strategy, steps=a.steps, tokens=a.tokens, seed=a.seed)
+    if a.device == "cuda":
+        return main_cuda(a, cfg)
     torch.set_num_threads(1)
     procs = a.procs
     if a.reference:
@@ -261,6 +299,30 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(res["losses"], f)
     return 0
+
+
+def main_cuda(a, cfg: dict) -> int:
+    """``--device cuda``: one process, one GPU; a 1-device plan (``attnplan.attention``)
+    and a 2-virtual-device plan (``plan_context(virtual=True)``), each against sdpa with ``--check``.
+    Exit 1 if a check is over its tolerance (loss 1e-4, step-1 gradients 1e-3, relative)."""
+    if not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    ref = train_reference(cfg, "cuda") if a.check or a.reference else None
+    if a.reference:
+        res = {"sdpa": ref}
+    else:
+        res = {f"{n} device{'s' if n > 1 else ''}": train_local(cfg, n, "cuda") for n in (1, 2)}
+    ok = True
+    for what, r in res.items():
+        print(f"{a.model} (cuda, {what}) loss: first {r['losses'][0]:.7f}, last {r['losses'][-1]:.7f}")
+        if a.check and ref is not None and what != "sdpa":
+            d = differences(r, ref)
+            good = d["loss"] <= 1e-4 and d["grad"] <= 1e-3
+            ok &= good
+            print(f"  max relative difference to sdpa: loss {d['loss']:.2e}, step-1 gradients {d['grad']:.2e} "
+                  f"(worst {d['grad_worst']}, {d['params']} parameters) {'ok' if good else 'OVER TOLERANCE'}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -50,13 +50,16 @@ def random_inputs(plan, dtype: str, seed: int):
         r(Tq, p.heads, p.head_dim)
 
 
-def run_plan(plan, dtype: str = "float32", seed: int = 0):
-    """Forward and backward on random inputs; returns (out, dq, dk, dv, inputs)."""
-    q, k, v, dout = random_inputs(plan, dtype, seed)
+def run_plan(plan, dtype: str = "float32", seed: int = 0, device: str = "cpu"):
+    """Forward and backward on random inputs on ``device`` (every plan device
+    in this process, on that one torch device); returns (out, dq, dk, dv,
+    inputs), all on the CPU."""
+    cpu = random_inputs(plan, dtype, seed)
+    q, k, v, dout = (t.to(device) for t in cpu)
     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
     out = execute(_ir(plan), q, k, v)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    return out.detach(), dq, dk, dv, (q.detach(), k.detach(), v.detach(), dout)
+    return out.detach().cpu(), dq.cpu(), dk.cpu(), dv.cpu(), tuple(t.detach() for t in cpu)
 
 
 def reference(problem, q, k, v, dout, scale: float, chunk_elems: int = 1 << 22):
@@ -173,11 +176,12 @@ def check_size(plan) -> None:
                         f"(limit {MAX_CHECK_SAMPLE})")
 
 
-def check_plan(plan, dtype: str = "float32", seed: int = 0) -> dict:
-    """Max abs errors of out, dq, dk, dv against the dense reference, scaled
-    by max(1, max |reference|), and whether each is within tolerance."""
+def check_plan(plan, dtype: str = "float32", seed: int = 0, device: str = "cpu") -> dict:
+    """Max abs errors of out, dq, dk, dv (run on ``device``) against the dense
+    reference, scaled by max(1, max |reference|), and whether each is within
+    tolerance."""
     check_size(plan)
-    out, dq, dk, dv, inputs = run_plan(plan, dtype, seed)
+    out, dq, dk, dv, inputs = run_plan(plan, dtype, seed, device)
     return compare(plan, dtype, (out, dq, dk, dv), inputs)
 
 

@@ -99,10 +99,11 @@ class CollectiveTransport:
         for mid in self.expected[x]:
             peer, flat, is_send = self.posted.pop(mid)
             (send if is_send else recv)[self._position(peer)] = flat
-        empty = torch.zeros(0, dtype=torch.uint8)
+        dev = next((t.device for t in send + recv if t is not None), torch.device("cpu"))  # NCCL: the GPU
+        empty = torch.zeros(0, dtype=torch.uint8, device=dev)
         s_sizes = [0 if t is None else t.numel() for t in send]
         r_sizes = [0 if t is None else t.numel() for t in recv]
-        out = torch.empty(sum(r_sizes), dtype=torch.uint8)
+        out = torch.empty(sum(r_sizes), dtype=torch.uint8, device=dev)
         inp = torch.cat([t for t in send if t is not None]) if any(s_sizes) else empty
         try:
             work = dist.all_to_all_single(out, inp, r_sizes, s_sizes, group=self.info.group, async_op=True)

@@ -18,8 +18,8 @@ if autograd ran their backwards in different orders on different ranks.
 verifier proves every pair posts its sends and receives in the same order,
 and ``match="order"`` runs the programs that way on gloo — every message
 with tag 0 — which tests/test_distributed.py checks for every strategy.
-The kernels are CPU-only for now, so CUDA tensors are refused before any
-transfer.) A collective schedule (``comm{mode=a2a}``) runs its messages as
+On ``backend="nccl"`` the runtime always matches by order: NCCL has no
+tags.) A collective schedule (``comm{mode=a2a}``) runs its messages as
 two ``all_to_all_single`` a phase instead (:mod:`attnplan.runtime.collective`).
 
 Backward transfers are issued by :class:`DistAttention`'s backward, a custom
@@ -109,6 +109,19 @@ def resolve_group(plan_ir, group=None) -> GroupInfo:
     return GroupInfo(group, rank, ranks, str(dist.get_backend(group)))
 
 
+def check_backend(info: GroupInfo, device: torch.device, where: str = "") -> None:
+    """Tensors on a device the group's backend moves (:class:`ShapeError`):
+    NCCL moves CUDA tensors only; gloo's send/receive CPU tensors only."""
+    if info.size == 1:
+        return
+    if info.backend == "nccl" and device.type != "cuda":
+        raise ShapeError(f"{where}the process group's backend is nccl, which moves CUDA tensors; q, k, v are on "
+                         f"{device} (move them to this rank's GPU, or use a gloo group for CPU tensors)")
+    if info.backend == "gloo" and device.type != "cpu":
+        raise ShapeError(f"{where}the process group's backend is gloo, whose send/receive takes CPU tensors; q, k, v "
+                         f"are on {device} (initialize the group with backend='nccl' for GPU tensors)")
+
+
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
@@ -160,7 +173,7 @@ class TorchTransport:
                  match: str = "tag"):
         self.program, self.device, self.info, self.timeout = program, device, info, timeout
         self.base = generation * len(program.messages)
-        self.by_order = match == "order"
+        self.by_order = match == "order" or info.backend == "nccl"  # NCCL has no tags: posting order only
         self.pending: dict[int, tuple] = {}
 
     def _tag(self, tag: int) -> int:
@@ -288,7 +301,7 @@ def handshake(plan_ir, info: GroupInfo, q, k, timeout: float) -> None:
                                      f"rank joined within {timeout:g} s [{msg[:200]}]") from None
         h = np.frombuffer(plan_fingerprint(plan)[:16], dtype=np.int64)
         mine = torch.tensor([int(h[0]), int(h[1]), _DTYPE_CODE[q.dtype], q.shape[1], q.shape[2], k.shape[1],
-                             k.shape[2], plan.devices], dtype=torch.int64)
+                             k.shape[2], plan.devices], dtype=torch.int64, device=q.device)
         allv = [torch.empty_like(mine) for _ in range(info.size)]
         try:
             w = dist.all_gather(allv, mine, group=info.group, async_op=True)
@@ -354,7 +367,7 @@ class _Call:
         else:
             tr = TorchTransport(prog, self.device, self.info, self.generation, self.timeout, self.match)
         runner = DeviceRunner(g, prog, phase, self.device, home_bindings(g, prog, phase, self.device, tensors, row0),
-                              tr, self.scale, dtype, self.timings, self.compute)
+                              tr, self.scale, dtype, self.timings, self.compute, where=tensors["q"].device)
         runner.run()
         tr.drain()
 
@@ -371,8 +384,8 @@ class DistAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, call: _Call):
         T, Hq, D = q.shape
         acc = acc_dtype(q.dtype)
-        out = torch.zeros(T, Hq, D, dtype=acc)
-        lse = torch.full((T, Hq), NEG_INF, dtype=acc)
+        out = torch.zeros(T, Hq, D, dtype=acc, device=q.device)
+        lse = torch.full((T, Hq), NEG_INF, dtype=acc, device=q.device)
         call.run(FWD, {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out, "lse": lse}, q.dtype)
         p = call.ir.problem
         settle_rows_without_mass(out, lse, layout.local_index(call.ir, call.device), p.pieces.a,
@@ -386,7 +399,7 @@ class DistAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         acc = acc_dtype(q.dtype)
-        grads = {n: torch.zeros(t.shape, dtype=acc) for n, t in (("dq", q), ("dk", k), ("dv", v))}
+        grads = {n: torch.zeros(t.shape, dtype=acc, device=q.device) for n, t in (("dq", q), ("dk", k), ("dv", v))}
         ctx.call.run(BWD, {"q": q.detach(), "k": k.detach(), "v": v.detach(), "out": out, "lse": lse,
                            "dout": dout.contiguous().to(q.dtype), **grads}, q.dtype)
         return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype), None
@@ -404,6 +417,7 @@ def _prepare(plan_ir, q, k, v, group, timeout):
         rank = info.rank
     check_inputs(ir, q, k, v, tokens=layout.local_tokens(ir, rank), where=f"device {rank}: ")
     if info is not None:
+        check_backend(info, q.device, f"device {rank}: ")
         handshake(ir, info, q, k, timeout)
     return ir, info, rank, timeout
 
@@ -459,7 +473,7 @@ def _cross_attention(q, k, v, plan_ir, group, **kw):
     check_inputs(ir, q, k, v, tokens=len(rq), k_tokens=len(rk), where=f"device {rank}: ")
     n = layout.local_tokens(ir, rank)
     out = _packed_attention(embed(q, rq, n), embed(k, rk, n), embed(v, rk, n), ir, group, **kw)
-    return out.index_select(0, torch.from_numpy(rq))
+    return out.index_select(0, torch.from_numpy(rq).to(out.device))
 
 
 def replay_comm(plan_ir, q, k, v, group=None, timeout: float | None = None) -> dict:
@@ -475,9 +489,11 @@ def replay_comm(plan_ir, q, k, v, group=None, timeout: float | None = None) -> d
                      compute=False)
         T, Hq, D = q.shape
         acc = acc_dtype(q.dtype)
-        t = {"q": q, "k": k, "v": v, "out": torch.zeros(T, Hq, D, dtype=acc if phase == FWD else q.dtype),
-             "lse": torch.zeros(T, Hq, dtype=acc), "dout": q, "dq": torch.zeros(q.shape, dtype=acc),
-             "dk": torch.zeros(k.shape, dtype=acc), "dv": torch.zeros(v.shape, dtype=acc)}
+        dev = q.device
+        t = {"q": q, "k": k, "v": v, "out": torch.zeros(T, Hq, D, dtype=acc if phase == FWD else q.dtype, device=dev),
+             "lse": torch.zeros(T, Hq, dtype=acc, device=dev), "dout": q,
+             "dq": torch.zeros(q.shape, dtype=acc, device=dev), "dk": torch.zeros(k.shape, dtype=acc, device=dev),
+             "dv": torch.zeros(v.shape, dtype=acc, device=dev)}
         t0 = time.perf_counter()
         call.run(phase, t, q.dtype)
         res[PHASES[phase]] = time.perf_counter() - t0
@@ -523,7 +539,7 @@ class _Undispatch(torch.autograd.Function):
         idx = [_side_index(plan_ir, d, side)[0] for d in range(plan_ir.devices)]
         n = max(len(i) for i in idx)
         wire = x.detach().contiguous()
-        pad = torch.zeros((n,) + tuple(x.shape[1:]), dtype=x.dtype)
+        pad = torch.zeros((n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         pad[:x.shape[0]] = wire
         parts = [torch.empty_like(pad) for _ in range(info.size)]
         try:
@@ -532,10 +548,11 @@ class _Undispatch(torch.autograd.Function):
         except RuntimeError as e:
             raise TransportError(f"device {info.rank}: undispatch (all_gather of outputs) did not complete within "
                                  f"{timeout:g} s [{str(e).splitlines()[0][:200]}]") from None
-        out = torch.empty((_side_index(plan_ir, info.rank, side)[1],) + tuple(x.shape[1:]), dtype=x.dtype)
+        out = torch.empty((_side_index(plan_ir, info.rank, side)[1],) + tuple(x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
         for d, i in enumerate(idx):
-            out[torch.from_numpy(i)] = parts[d][:len(i)]
-        ctx.idx = torch.from_numpy(idx[info.rank])
+            out[torch.from_numpy(i).to(x.device)] = parts[d][:len(i)]
+        ctx.idx = torch.from_numpy(idx[info.rank]).to(x.device)
         return out
 
     @staticmethod
@@ -555,7 +572,7 @@ def undispatch(plan_ir, x_local, group=None, timeout: float | None = None, side:
         if not isinstance(x_local, torch.Tensor) or x_local.shape[0] != T:
             raise ShapeError(f"undispatch: expected {T} local rows, got "
                              f"{list(getattr(x_local, 'shape', []))}")
-        return x_local.index_select(0, torch.from_numpy(idx).argsort())
+        return x_local.index_select(0, torch.from_numpy(idx).argsort().to(x_local.device))
     info = resolve_group(ir, group)
     n = len(_side_index(ir, info.rank, side)[0])
     if not isinstance(x_local, torch.Tensor) or x_local.dim() < 1 or x_local.shape[0] != n:

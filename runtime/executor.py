@@ -33,6 +33,7 @@ from ..errors import PlanError, ShapeError
 from ..ir.interp import cooperate, message_key
 from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD
+from . import kernels
 from .kernels import check_scale, settle_rows_without_mass
 from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings
 
@@ -107,9 +108,9 @@ def check_inputs(plan_ir, q, k, v, tokens: int | None = None, where: str = "", k
     if not (q.dtype == k.dtype == v.dtype):
         raise ShapeError(f"{where}q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ShapeError(f"{where}q, k, v must be on one device")
-    if q.device.type != "cpu":
-        raise ShapeError(f"{where}q, k, v are on {q.device}; the runtime's kernels run on CPU tensors")
+        raise ShapeError(f"{where}q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in kernels.DEVICE_TYPES:
+        raise ShapeError(f"{where}q, k, v are on {q.device}; the runtime runs on CPU and CUDA tensors")
 
 
 def embed(t: torch.Tensor, rows: np.ndarray, n: int) -> torch.Tensor:
@@ -152,26 +153,68 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
 RESULTS = {FWD: ("out", "lse"), BWD: ("dq", "dk", "dv")}  # the tensors a phase writes
 
 
+def inputs_finite(phase: int, t: dict) -> torch.Tensor:
+    """Whether every input of a phase is finite, as a 0-dim bool tensor on
+    their device (one check of the global tensors instead of one per tile;
+    an lse of −inf, a row without keys, counts as finite)."""
+    if phase == FWD:
+        return kernels.finite_flag(t["q"], t["k"], t["v"])
+    lse = t["lse"]
+    return kernels.finite_flag(t["q"], t["k"], t["v"], t["out"], t["dout"],
+                               torch.where(torch.isneginf(lse), torch.zeros((), dtype=lse.dtype, device=lse.device),
+                                           lse))
+
+
+def optimistic(device: torch.device) -> bool:
+    """Whether a phase runs before its finiteness check is read (GPUs: a read is a host sync)."""
+    return device.type != "cpu"
+
+
+RESET = {"out": 0.0, "lse": NEG_INF, "dq": 0.0, "dk": 0.0, "dv": 0.0}  # what the results hold before a phase
+
+
 def _run_all(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None) -> None:
-    g = plan_ir.graph
-    if g.grouped:  # varlen groups are not contiguous rows: run on block-major copies, results written back
-        rows = torch.from_numpy(g.block_rows(np.arange(g.n_tb)))
-        local = {n: t.index_select(0, rows) for n, t in tensors.items()}
-        lens = g.tb_len
-        _run_devices(plan_ir, phase, local, np.cumsum(lens) - lens, scale, dtype, timings)
-        for n in RESULTS[phase]:
-            tensors[n].index_copy_(0, rows, local[n])
+    """Run ``phase``, its kernels told whether the inputs are finite. On a GPU the check is not read before
+    the kernels are queued (a host sync would idle the device): the phase runs as if finite, and in the
+    rare case it was not, runs again from reset results with every tile checking its own inputs (the
+    exact path for non-finite operands)."""
+    flag = inputs_finite(phase, tensors)
+    if not optimistic(tensors["q"].device):
+        _run_layout(plan_ir, phase, tensors, scale, dtype, timings, bool(flag))
         return
-    _run_devices(plan_ir, phase, tensors, g.tb_start, scale, dtype, timings)
+    _run_layout(plan_ir, phase, tensors, scale, dtype, timings, True)
+    if not bool(flag):
+        for n in RESULTS[phase]:
+            tensors[n].fill_(RESET[n])
+        _run_layout(plan_ir, phase, tensors, scale, dtype, timings, False)
+
+
+def _run_layout(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None,
+                finite: bool) -> None:
+    """Every device's stream of ``phase`` on the global ``tensors``: varlen groups whose spans are not in
+    token order run on block-major copies, their results written back."""
+    g = plan_ir.graph
+    rows_np = g.block_rows(np.arange(g.n_tb)) if g.grouped else None
+    if rows_np is not None and bool((rows_np == np.arange(len(rows_np))).all()):
+        rows_np = None  # the groups' spans are already in token order: no copies
+    lens = g.tb_len
+    if rows_np is None:
+        _run_devices(plan_ir, phase, tensors, np.cumsum(lens) - lens, scale, dtype, timings, finite)
+        return
+    rows = torch.from_numpy(rows_np).to(tensors["q"].device)
+    local = {n: t.index_select(0, rows) for n, t in tensors.items()}
+    _run_devices(plan_ir, phase, local, np.cumsum(lens) - lens, scale, dtype, timings, finite)
+    for n in RESULTS[phase]:
+        tensors[n].index_copy_(0, rows, local[n])
 
 
 def _run_devices(plan_ir, phase: int, tensors: dict, row0: np.ndarray, scale: float, dtype,
-                 timings: Timings | None) -> None:
+                 timings: Timings | None, finite: bool) -> None:
     """Every device's program of ``phase`` on ``tensors``, block ``tb``'s rows starting at ``row0[tb]``."""
     g, prog = plan_ir.graph, plan_ir.program
     box = Mailbox(prog)
     runners = [DeviceRunner(g, prog, phase, d, home_bindings(g, prog, phase, d, tensors, row0),
-                            box.endpoint(d), scale, dtype, timings)
+                            box.endpoint(d), scale, dtype, timings, where=tensors["q"].device, finite=finite)
                for d in range(prog.devices)]
     cooperate(prog, phase, lambda d, i, row: runners[d].step(i, row))
 
@@ -181,8 +224,8 @@ def run_forward(plan_ir, q, k, v, scale: float, timings: Timings | None = None):
     the accumulator dtype (float32; float64 for float64 inputs)."""
     T, Hq, D = q.shape
     acc = acc_dtype(q.dtype)
-    out = torch.zeros(T, Hq, D, dtype=acc)
-    lse = torch.full((T, Hq), NEG_INF, dtype=acc)
+    out = torch.zeros(T, Hq, D, dtype=acc, device=q.device)
+    lse = torch.full((T, Hq), NEG_INF, dtype=acc, device=q.device)
     _run_all(plan_ir, FWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale, q.dtype, timings)
     p = plan_ir.problem
     settle_rows_without_mass(out, lse, np.arange(T), p.pieces.a, p.class_heads(ir_order=True))
@@ -193,7 +236,7 @@ def run_backward(plan_ir, q, k, v, out, lse, dout, scale: float, timings: Timing
     """Execute the backward programs with the global out/lse. Returns (dq, dk, dv)
     in the accumulator dtype."""
     acc = acc_dtype(q.dtype)
-    grads = {n: torch.zeros(t.shape, dtype=acc) for n, t in (("dq", q), ("dk", k), ("dv", v))}
+    grads = {n: torch.zeros(t.shape, dtype=acc, device=q.device) for n, t in (("dq", q), ("dk", k), ("dv", v))}
     _run_all(plan_ir, BWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, **grads}, scale,
              q.dtype, timings)
     return grads["dq"], grads["dk"], grads["dv"]
@@ -231,7 +274,7 @@ def execute(plan_ir, q, k, v, softmax_scale: float | None = None, timings: Timin
     qi, ki = p.query_index(), p.key_index()
     check_inputs(plan_ir, q, k, v, tokens=len(qi), k_tokens=len(ki))
     q, k, v = embed(q, qi, p.tokens), embed(k, ki, p.tokens), embed(v, ki, p.tokens)
-    return _execute_packed(plan_ir, q, k, v, softmax_scale, timings).index_select(0, torch.from_numpy(qi))
+    return _execute_packed(plan_ir, q, k, v, softmax_scale, timings).index_select(0, torch.from_numpy(qi).to(q.device))
 
 
 def _execute_packed(plan_ir, q, k, v, softmax_scale, timings):

@@ -79,6 +79,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ShapeError
+from . import mathattn
 
 __all__ = [
     "NEG_INF",
@@ -222,20 +223,20 @@ def plan_tile(qs: int, ks: int, Sq: int, Sk: int, pieces) -> list[TileCall]:
     return calls
 
 
-def _band(m: int, n: int, lo: int, hi: int) -> Tensor:
+def _band(m: int, n: int, lo: int, hi: int, device=None) -> Tensor:
     """bool [m, n]: ``lo <= j - i <= hi``."""
-    dj = torch.arange(n).unsqueeze(0) - torch.arange(m).unsqueeze(1)
+    dj = torch.arange(n, device=device).unsqueeze(0) - torch.arange(m, device=device).unsqueeze(1)
     return (dj >= lo) & (dj <= hi)
 
 
-def _allowed(kind: str, m: int, n: int, lo: int, hi: int) -> Tensor | None:
+def _allowed(kind: str, m: int, n: int, lo: int, hi: int, device=None) -> Tensor | None:
     """bool [m, n]: the pairs a call of ``kind`` allows, in its own (possibly
     flipped) coordinates; None for ``full`` (every pair)."""
     if kind == FULL:
         return None
     if kind in (CAUSAL, RCAUSAL):  # RCAUSAL runs as top-left causal on flipped rows
-        return _band(m, n, -UNBOUNDED, 0)
-    return _band(m, n, lo, hi)
+        return _band(m, n, -UNBOUNDED, 0, device)
+    return _band(m, n, lo, hi, device)
 
 
 def _band_mask(m: int, n: int, lo: int, hi: int, dtype) -> Tensor:
@@ -261,12 +262,13 @@ def _operand(x: Tensor) -> Tensor:
     return x
 
 
+DEVICE_TYPES = ("cpu", "cuda")  # where the kernels run (others, e.g. meta tensors, hold no values)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
     """q [Sq, Hq, D], k and v [Sk, Hkv, D] with Hkv dividing Hq, one floating
-    dtype, CPU tensors; else :class:`ShapeError`."""
+    dtype, one device; else :class:`ShapeError`."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ShapeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -280,16 +282,18 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         raise ShapeError(f"q, k, v must share one of float32, bfloat16, float16, float64; got {q.dtype}, "
                          f"{k.dtype}, {v.dtype}")
-    if not (q.device.type == k.device.type == v.device.type == "cpu"):
-        raise ShapeError(f"the kernels run on CPU tensors; got q on {q.device}, k on {k.device}, v on {v.device}")
+    if not (q.device == k.device == v.device):
+        raise ShapeError(f"q, k, v must be on one device; got q on {q.device}, k on {k.device}, v on {v.device}")
+    if q.device.type not in DEVICE_TYPES:
+        raise ShapeError(f"the kernels run on CPU and CUDA tensors; got {q.device}")
 
 
-def _check_rows(name: str, t, shape: tuple, dtype=None) -> None:
+def _check_rows(name: str, t, shape: tuple, device: torch.device) -> None:
     if not isinstance(t, Tensor) or tuple(t.shape) != shape:
         got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
         raise ShapeError(f"{name} must have shape {list(shape)}, got {got}")
-    if not t.is_floating_point() or t.device.type != "cpu":
-        raise ShapeError(f"{name} must be a floating CPU tensor, got {t.dtype} on {t.device}")
+    if not t.is_floating_point() or t.device != device:
+        raise ShapeError(f"{name} must be a floating tensor on {device} (where q is), got {t.dtype} on {t.device}")
 
 
 SCALE_RANGE = (1e-30, 1e30)  # inside the normal range of float32 and bfloat16 (1.2e-38 .. 3.4e38)
@@ -320,9 +324,23 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _finite(*xs: Tensor) -> bool:
     """Whether every value of ``xs`` is finite, from one sum each (a NaN or an
     infinity makes the sum non-finite; a sum that overflows only sends the
-    call down the exact path). 20x cheaper than ``isfinite(x).all()``."""
-    return all(math.isfinite(float(x.sum(dtype=_acc_dtype(x.dtype)))) for x in xs)
+    call down the exact path). 20x cheaper than ``isfinite(x).all()``; on a
+    GPU the sums are added on the device and read back once (one sync)."""
+    if not xs:
+        return True
+    if xs[0].device.type == "cpu":
+        return all(math.isfinite(float(x.sum(dtype=_acc_dtype(x.dtype)))) for x in xs)
+    return bool(finite_flag(*xs))
 
+
+def finite_flag(*xs: Tensor) -> Tensor:
+    """:func:`_finite` as a 0-dim bool tensor on the device, not read back
+    (no host sync: a GPU caller reads it once its kernels are queued). Each
+    sum is taken in its tensor's own dtype (float32 accumulation inside):
+    asking for a float64 sum of bf16 makes a float64 copy first, which on a
+    GPU cost more than the reads (measured: 3.7 ms of a 35 ms forward at
+    128K tokens); a sum that overflows only sends the call down the exact path."""
+    return torch.isfinite(torch.stack([x.sum().double() for x in xs]).sum())
 
 _EXACT_CHUNK = 1 << 22  # elements of the [H, rows, keys, D] products the exact path builds at once
 
@@ -408,8 +426,8 @@ def settle_rows_without_mass(out: Tensor, lse: Tensor, rows, pieces, classes=Non
     r = torch.nonzero(dead.any(dim=1)).flatten()
     bad = torch.zeros_like(dead)
     for heads, P in [(np.arange(lse.shape[1]), pieces)] if classes is None else classes:
-        has = torch.from_numpy(rows_with_keys(np.asarray(rows)[r.numpy()], P))
-        idx = (r[has][:, None], torch.from_numpy(np.asarray(heads, np.int64))[None, :])
+        has = torch.from_numpy(rows_with_keys(np.asarray(rows)[r.cpu().numpy()], P)).to(r.device)
+        idx = (r[has][:, None], torch.from_numpy(np.asarray(heads, np.int64)).to(r.device)[None, :])
         bad[idx] = dead[idx]
     out.masked_fill_(bad.unsqueeze(-1), float("nan"))
     lse.masked_fill_(bad, float("nan"))
@@ -422,8 +440,10 @@ def _call_fwd(q: Tensor, k: Tensor, v: Tensor, c: TileCall, scale: float, finite
     flip = c.kind == RCAUSAL
     if flip:
         qi, ki, vi = qi.flip(0), ki.flip(0), vi.flip(0)
-    allowed = _allowed(c.kind, c.r1 - c.r0, c.c1 - c.c0, c.lo, c.hi)
-    if finite or _finite(qi, ki, vi):
+    allowed = _allowed(c.kind, c.r1 - c.r0, c.c1 - c.c0, c.lo, c.hi, q.device)
+    if q.device.type != "cpu" and (finite or _finite(qi, ki, vi)):  # the CPU op is CPU-only: plain tensor ops
+        o, l = mathattn.fwd(qi, ki, vi, allowed, scale)
+    elif finite or _finite(qi, ki, vi):
         mask = None if c.kind != MASK else _band_mask(c.r1 - c.r0, c.c1 - c.c0, c.lo, c.hi, q.dtype)
         o, l = _FWD(_bhsd(qi), _bhsd(ki), _bhsd(vi), 0.0, c.kind in (CAUSAL, RCAUSAL), attn_mask=mask, scale=scale)
         o, l = _shd(o), _shd(l)
@@ -450,8 +470,8 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, qs: int, ks: int, pieces, scale: f
     Sq, Hq, D = q.shape
     Sk = k.shape[0]
     acc = _acc_dtype(q.dtype)
-    out = torch.zeros((Sq, Hq, D), dtype=acc)
-    lse = torch.full((Sq, Hq), NEG_INF, dtype=acc)
+    out = torch.zeros((Sq, Hq, D), dtype=acc, device=q.device)
+    lse = torch.full((Sq, Hq), NEG_INF, dtype=acc, device=q.device)
     touched: list[tuple[int, int]] = []  # row ranges already written
     calls = plan_tile(qs, ks, Sq, Sk, pieces)
     finite = bool(calls) and _finite(q, k, v)
@@ -494,13 +514,13 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Te
     scale = check_scale(scale)
     Sq, Hq, D = q.shape
     Sk, Hkv, _ = k.shape
-    _check_rows("out", out, (Sq, Hq, D))
-    _check_rows("dout", dout, (Sq, Hq, D))
-    _check_rows("lse", lse, (Sq, Hq))
+    _check_rows("out", out, (Sq, Hq, D), q.device)
+    _check_rows("dout", dout, (Sq, Hq, D), q.device)
+    _check_rows("lse", lse, (Sq, Hq), q.device)
     acc = _acc_dtype(q.dtype)
-    dq = torch.zeros((Sq, Hq, D), dtype=acc)
-    dk = torch.zeros((Sk, Hkv, D), dtype=acc)
-    dv = torch.zeros((Sk, Hkv, D), dtype=acc)
+    dq = torch.zeros((Sq, Hq, D), dtype=acc, device=q.device)
+    dk = torch.zeros((Sk, Hkv, D), dtype=acc, device=q.device)
+    dv = torch.zeros((Sk, Hkv, D), dtype=acc, device=q.device)
     calls = plan_tile(qs, ks, Sq, Sk, pieces)
     if not calls:
         return dq, dk, dv
@@ -522,14 +542,18 @@ def _call_bwd(q, k, v, out, dout, lse, c: TileCall, scale: float, finite: bool) 
     flip = c.kind == RCAUSAL
     if flip:
         qi, ki, vi, oi, doi, li = (x.flip(0) for x in (qi, ki, vi, oi, doi, li))
-    if finite or (_finite(qi, ki, vi, oi, doi) and not math.isnan(float(li.sum()))):
+    fin = finite or (_finite(qi, ki, vi, oi, doi) and not math.isnan(float(li.sum())))
+    if fin and q.device.type != "cpu":
+        allowed = _allowed(c.kind, c.r1 - c.r0, c.c1 - c.c0, c.lo, c.hi, q.device)
+        gq, gk, gv = mathattn.bwd(qi, ki, vi, oi, doi, li, allowed, scale)
+    elif fin:
         mask = None if c.kind != MASK else _band_mask(c.r1 - c.r0, c.c1 - c.c0, c.lo, c.hi, q.dtype)
         gq, gk, gv = _BWD(_bhsd(doi), _bhsd(qi), _bhsd(ki), _bhsd(vi), _bhsd(oi),
                           li.transpose(0, 1).unsqueeze(0), 0.0, c.kind in (CAUSAL, RCAUSAL),
                           attn_mask=mask, scale=scale)
         gq, gk, gv = _shd(gq), _shd(gk), _shd(gv)
     else:
-        allowed = _allowed(c.kind, c.r1 - c.r0, c.c1 - c.c0, c.lo, c.hi)
+        allowed = _allowed(c.kind, c.r1 - c.r0, c.c1 - c.c0, c.lo, c.hi, q.device)
         gq, gk, gv = _exact_call_bwd(qi, ki, vi, oi, doi, li, allowed, scale)
     if flip:
         gq, gk, gv = gq.flip(0), gk.flip(0), gv.flip(0)
@@ -555,10 +579,11 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> No
     w1 = torch.sigmoid(-diff).masked_fill_(dead1, 0.0).masked_fill_(dead2 & ~dead1, 1.0)
     w2 = torch.sigmoid(diff).masked_fill_(dead2, 0.0).masked_fill_(dead1 & ~dead2, 1.0)
     o2 = out.to(acc_out.dtype) * w2.unsqueeze(-1)
-    if bool(dead2.any()):
+    cpu = acc_out.device.type == "cpu"  # on a GPU: no host sync, the fills run unconditionally
+    if not cpu or bool(dead2.any()):
         o2.masked_fill_(dead2.unsqueeze(-1), 0.0)
     acc_out.mul_(w1.unsqueeze(-1))
-    if bool(dead1.any()):
+    if not cpu or bool(dead1.any()):
         acc_out.masked_fill_(dead1.unsqueeze(-1), 0.0)
     acc_out.add_(o2)
     acc_lse.copy_(torch.logaddexp(acc_lse, lse))

@@ -40,7 +40,7 @@ from ..errors import PlanError, ShapeError
 from ..ir.program import (A1, ADD, ARG_BUF, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BHG, BK, BROLE, BTB, FWD,
                           HOME, ISA, KINDS, M_DST, M_END, M_PHASE, M_SRC, M_START, MERGE, OP, OPS, PHASES, RECV, SEND,
                           T_RBUF, T_SBUF, WAIT)
-from . import kernels
+from . import kernels, varlen
 
 NEG_INF = float("-inf")
 
@@ -118,12 +118,12 @@ def _offsets(specs) -> tuple[list[int], int]:
     return offs, n
 
 
-def packed_empty(specs, zero: bool = False):
+def packed_empty(specs, zero: bool = False, device=None):
     """One flat uint8 tensor holding every tensor of ``specs`` (``[(shape,
     dtype), ...]``) at aligned offsets, and the typed views into it: a buffer
     that travels as one message."""
     offs, n = _offsets(specs)
-    flat = (torch.zeros if zero else torch.empty)(n, dtype=torch.uint8)
+    flat = (torch.zeros if zero else torch.empty)(n, dtype=torch.uint8, device=device)
     views = []
     for (shape, dt), o in zip(specs, offs):
         size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
@@ -140,7 +140,7 @@ def pack(tensors) -> torch.Tensor:
         pad = -len(b) % _ALIGN
         parts.append(b)
         if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8))
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
 
 
@@ -207,6 +207,23 @@ def _last_use(code: np.ndarray, nbuf: int, msg_bufs: dict) -> np.ndarray:
     return last
 
 
+def first_use(code: np.ndarray, nbuf: int, msg_bufs: dict) -> np.ndarray:
+    """Index of the first instruction that names each buffer, or sends or
+    receives it in a message (−1: none); the dual of :func:`_last_use`."""
+    n = len(code)
+    first = np.full(nbuf, n, np.int64)
+    for spec in ISA:
+        rows = np.flatnonzero(code[:, OP] == spec.code)
+        for c in spec.cols(ARG_BUF) if len(rows) else ():
+            np.minimum.at(first, code[rows, c], rows)
+    for op in (SEND, RECV):
+        for i in np.flatnonzero(code[:, OP] == op).tolist():
+            b = np.asarray(msg_bufs[(op, int(code[i, A1]))], np.int64)
+            first[b] = np.minimum(first[b], i)
+    first[first == n] = -1
+    return first
+
+
 def check_stream(code: np.ndarray, bufs: np.ndarray, phase: int, device: int, program=None,
                  msg_bufs: dict | None = None) -> None:
     """What the runner relies on, checked before it runs (a plan whose
@@ -267,7 +284,8 @@ class DeviceRunner:
     measures the transfer time of the plan alone."""
 
     def __init__(self, graph, program, phase: int, device: int, home: dict, transport, scale: float,
-                 dtype: torch.dtype, timings: Timings | None = None, compute: bool = True):
+                 dtype: torch.dtype, timings: Timings | None = None, compute: bool = True, where=None,
+                 finite: bool = False):
         self.g, self.prog, self.phase, self.device = graph, program, phase, device
         self.bufs = program.buffers[phase][device]
         code = program.code[phase][device]
@@ -284,8 +302,16 @@ class DeviceRunner:
         for b in np.flatnonzero(last >= 0).tolist():
             if b not in self.home:
                 self.free_after.setdefault(int(last[b]), []).append(b)
+        # the torch device of the buffers it allocates: ``where``, else its home tensors'
+        self.where = where if where is not None else next((x.device for ts in self.st.values() for x in ts),
+                                                          torch.device("cpu"))
         self.pc = 0
         self._t0: float | None = None
+        self.track_memory = False  # when set: ``peak_bytes``, the most bytes of non-home buffers held at once
+        self.peak_bytes = 0
+        self.finite = finite  # the caller checked that every input of the phase is finite (tiles skip the check)
+        # home output buffers that hold nothing yet (0, −inf): a tile's first result is written, not merged
+        self.fresh = {b for b in self.home if phase == FWD and int(self.bufs[b, BK]) == B_O}
 
     # buffers -----------------------------------------------------------------
     def specs(self, b: int) -> tuple:
@@ -295,13 +321,13 @@ class DeviceRunner:
 
     def alloc(self, b: int, zero: bool = False):
         """Buffer ``b``'s tensors, views into one flat allocation."""
-        return packed_empty(self.specs(b), zero)[1]
+        return packed_empty(self.specs(b), zero, self.where)[1]
 
     def alloc_message(self, bufs: list) -> tuple[torch.Tensor, list]:
         """One flat tensor for the buffers ``bufs`` of a received message, laid
         out in order, and each buffer's views into it."""
         specs = [self.specs(b) for b in bufs]
-        flat, views = packed_empty([x for sp in specs for x in sp])
+        flat, views = packed_empty([x for sp in specs for x in sp], device=self.where)
         out, at = [], 0
         for sp in specs:
             out.append(views[at:at + len(sp)])
@@ -352,11 +378,17 @@ class DeviceRunner:
                 raise ShapeError(f"{self._where(i)}: {e}") from None
             tm.kernel += time.perf_counter() - t0
         tm.instructions += 1
+        if self.track_memory:
+            self._track()
         for b in self.free_after.get(i, ()):
             self.st.pop(b, None)
         self.pc = i + 1
         if self.pc == len(self.code):
             self.finish()
+
+    def _track(self) -> None:
+        live = sum(x.numel() * x.element_size() for b, ts in self.st.items() if b not in self.home for x in ts)
+        self.peak_bytes = max(self.peak_bytes, live)
 
     def _where(self, i: int) -> str:
         op = self.code[i][0]
@@ -390,8 +422,15 @@ class DeviceRunner:
             c, qb, kb, ob = row[1:5]
             q = self._get(qb, i)[0]
             k, v = self._get(kb, i)
-            pieces, qs, ks = self.g.local_pieces(int(self.g.cb_tile[c]))
-            o, lse = kernels.attn_fwd(q, k, v, qs, ks, pieces, self.scale)
+            tile = int(self.g.cb_tile[c])
+            pieces, qs, ks = self.g.local_pieces(tile)
+            key = (self.g, tile)
+            if ob in self.fresh and st[ob][0].shape == q.shape:
+                varlen.tile_fwd(q, k, v, qs, ks, pieces, self.scale, into=st[ob], finite=self.finite, key=key)
+                self.fresh.discard(ob)
+                return
+            o, lse = varlen.tile_fwd(q, k, v, qs, ks, pieces, self.scale, finite=self.finite, key=key)
+            self.fresh.discard(ob)
             if ob in st:
                 _same_shapes(st[ob], (o, lse), f"buffer %{ob}", "the tile's output")
                 kernels.merge_into(st[ob][0], st[ob][1], o, lse)
@@ -401,12 +440,21 @@ class DeviceRunner:
             c, qb, kb, dqb, dkvb = row[1:6]
             q, out, dout, lse = self._get(qb, i)
             k, v = self._get(kb, i)
-            pieces, qs, ks = self.g.local_pieces(int(self.g.cb_tile[c]))
-            gq, gk, gv = kernels.attn_bwd(q, k, v, out, dout, lse, qs, ks, pieces, self.scale)
+            tile = int(self.g.cb_tile[c])
+            pieces, qs, ks = self.g.local_pieces(tile)
+            key = (self.g, tile)
+            if dqb in st and dkvb in st and st[dqb][0].shape == q.shape and st[dkvb][0].shape == k.shape:
+                into = (st[dqb][0], st[dkvb][0], st[dkvb][1])
+                varlen.tile_bwd(q, k, v, out, dout, lse, qs, ks, pieces, self.scale, into=into, finite=self.finite,
+                                key=key)
+                return
+            gq, gk, gv = varlen.tile_bwd(q, k, v, out, dout, lse, qs, ks, pieces, self.scale, finite=self.finite,
+                                         key=key)
             self._add_into(dqb, (gq,))
             self._add_into(dkvb, (gk, gv))
         elif op in (MERGE, ADD):
             self._combine(i, op, row[1], row[2])
+            self.fresh.discard(row[1])
         else:
             raise PlanError(f"{PHASES[self.phase]} device {self.device} instruction {i}: "
                             f"{OPS[op] if 0 <= op < len(OPS) else op} is not valid in {PHASES[self.phase]}")

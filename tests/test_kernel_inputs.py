@@ -352,7 +352,7 @@ def _qkv(*shapes, dtype=torch.float32, device="cpu"):
     _qkv((4, 2, 8), (4, 2, 4), (4, 2, 4)),                                # head_dim differs
     _qkv((4, 2, 8), (4, 2, 8), (4, 2, 8), dtype=torch.int64),             # integer
     [torch.zeros(4, 2, 8), torch.zeros(4, 2, 8, dtype=torch.float64), torch.zeros(4, 2, 8)],  # mixed
-    _qkv((4, 2, 8), (4, 2, 8), (4, 2, 8), device="meta"),                 # not CPU
+    _qkv((4, 2, 8), (4, 2, 8), (4, 2, 8), device="meta"),                 # neither CPU nor CUDA
     [np.zeros((4, 2, 8)), torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)],   # not a tensor
 ], ids=["k2d", "kv_differ", "heads", "head_dim", "int", "mixed", "meta", "numpy"])
 def test_kernel_shape_problems_raise_shape_error(bad):
