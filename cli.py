@@ -268,9 +268,14 @@ def _add_compare_bench(sub) -> None:
                     "(created if missing; an existing file is an error)")
     bn.add_argument("--no-progress", action="store_true")
 
-    cal = sub.add_parser("calibrate", help="measure this machine's kernel and gloo rates into a cost profile")
-    cal.add_argument("-o", "--output", default="cpu-calibrated.json",
-                     help="profile JSON to write (its folder must exist); - writes it to stdout")
+    cal = sub.add_parser("calibrate", help="measure this machine's kernel and gloo rates (or one GPU's kernels: "
+                                           "--device cuda) into a cost profile")
+    cal.add_argument("-o", "--output", default=None,
+                     help="profile JSON to write (its folder must exist; default cpu-calibrated.json, "
+                          "cuda-calibrated.json with --device cuda); - writes it to stdout")
+    cal.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                     help="cuda: time the runtime's GPU kernels and merges on this GPU; the links come from --base")
+    cal.add_argument("--base", default="h200", help="builtin profile whose links a --device cuda profile keeps")
     cal.add_argument("--repeats", type=_int_in(1, limits.MAX_REPEATS), default=5,
                      help=f"repeats of each measurement, 1..{limits.MAX_REPEATS}")
 
@@ -499,7 +504,16 @@ def _cmd_bench(args) -> int:
 
 def _cmd_calibrate(args) -> int:
     from .runtime.calibrate import calibrate
+    args.output = args.output or f"{args.device}-calibrated.json"
     _check_output(args.output, "cost profile")
+    if args.device == "cuda":
+        from .runtime.calibrate_cuda import calibrate_cuda
+        prof = calibrate_cuda(args.repeats, args.base)
+        where = _write_output(args.output, json.dumps(prof, indent=1) + "\n", "cost profile")
+        print(f"wrote {where}: kernel {prof['peak_flops'] * prof['efficiency'] / 1e12:.1f} TFLOP/s (bf16, "
+              f"{prof['efficiency']:.0%} of {prof['peak_flops'] / 1e12:.0f}), launch {prof['launch_s'] * 1e6:.1f} us, "
+              f"merges {prof['mem_bw'] / 1e9:.0f} GB/s; links from {args.base}", file=_summary_stream(args.output))
+        return 0
     prof = calibrate(args.repeats)
     where = _write_output(args.output, json.dumps(prof, indent=1) + "\n", "cost profile")
     print(f"wrote {where}: kernel {prof['peak_flops'] / 1e9:.1f} GFLOP/s (bf16, 1 thread), launch "

@@ -55,6 +55,7 @@ MASKS = ("causal", "sliding_window(200)", "streaming(64, 256)", "prefix_lm(300) 
 SMALL = [1500, 700, 333, 200, 120, 64, 40, 23]  # 2,980 tokens: a long-tailed mix with a dominant document
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPORT: dict = {}
+PROFILE_FILE: str | None = None
 LINES: list[str] = []
 
 
@@ -319,7 +320,11 @@ def check_memory(plan, q, k, v, dout, dev: str) -> None:
 
 
 def calibrated(dev: str):
-    """The h200 profile with this run's flash-attn rate (efficiency) and launch time, if measured."""
+    """``--profile FILE`` (``plan calibrate --device cuda``'s), else the h200 profile with this run's
+    flash-attn rate (efficiency) and launch time, if measured."""
+    if PROFILE_FILE:
+        from attnplan.backends.cost import load_profile_file
+        return load_profile_file(PROFILE_FILE)
     e = REPORT.get("efficiency", {})
     prof = get_profile("h200")
     if "flash_fwd_s" not in e:
@@ -354,7 +359,7 @@ def check_predictions(dev: str, batches: str | None, quick: bool) -> None:
     dout = torch.randn(T, H, D, device=dev, dtype=dt, generator=g)
     cal = calibrated(dev)
     if cal is not None:
-        say(f"calibrated profile: efficiency {cal.efficiency:.2f} of 989 TFLOP/s, launch {cal.launch_s * 1e6:.0f} us, "
+        say(f"calibrated profile {cal.name!r}: efficiency {cal.efficiency:.2f} of 989 TFLOP/s, launch {cal.launch_s * 1e6:.0f} us, "
             f"backward / forward {cal.bwd_factor:.2f}")
     cases = [("minheap", 1, 131072)] + [(s, 8, 4096) for s in (STRATEGIES[:2] if quick else STRATEGIES)]
     say("| plan | devices | phase | predicted h200 | predicted calibrated | measured | measured / h200 | measured / calibrated |")
@@ -399,7 +404,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", help="batches.jsonl (default: .device/ or ../shared/workloads/)")
     ap.add_argument("--quick", action="store_true", help="small cases (a CPU dry run)")
     ap.add_argument("--only", default="123456", help="sections to run, e.g. 35")
+    ap.add_argument("--profile", help="the calibrated profile of section 4 (plan calibrate --device cuda's JSON)")
     a = ap.parse_args(argv)
+    global PROFILE_FILE
+    PROFILE_FILE = a.profile
     t0 = time.perf_counter()
     say(f"# attnplan GPU check ({time.strftime('%Y-%m-%d')})")
     if "1" in a.only:

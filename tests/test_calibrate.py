@@ -300,3 +300,39 @@ def test_measurements_run_the_runtime_kernels():
     assert len(fwd) == len(bwd) == 2 and min(fwd + bwd) > 0
     nbytes, secs = cal.measure_merges(rows=(8, 32), heads=2, head_dim=16, repeats=2)
     assert nbytes == [8 * 2 * (4 * 16 + 4), 32 * 2 * (4 * 16 + 4)] and min(secs) > 0
+
+
+# ------------------------------------------------------------------ one GPU (--device cuda)
+
+def test_cuda_profile_fits_its_kernels_and_keeps_the_base_links(tmp_path):
+    """What ``plan calibrate --device cuda`` writes, from synthetic GPU timings (head_dim 128): the fitted
+    rate, launch and backward factor land in the profile; the links are the base profile's."""
+    from attnplan.backends.cost import PROFILES
+    from attnplan.runtime import calibrate_cuda as cc
+    rng = np.random.default_rng(0)
+    shapes = cc.cuda_shapes()
+    fwd = np.array([2e-5 + s.work(128, cc.HEAD_DIM) / 4e14 for s in shapes])
+    mbytes = [1e8, 4e8, 1.6e9]
+    data = cc.build_cuda_profile(shapes, noisy(rng, fwd, 0.02), noisy(rng, 2.8 * fwd, 0.02), mbytes,
+                                 noisy(rng, 3 * np.array(mbytes) / 3e12, 0.02), base="h200", device_name="test GPU")
+    path = tmp_path / "cuda.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    prof = load_profile_file(path)
+    assert prof.flops == pytest.approx(4e14, rel=0.1) and prof.launch_s == pytest.approx(2e-5, rel=0.3)
+    assert prof.bwd_factor == pytest.approx(2.8, rel=0.05) and prof.mem_bw == pytest.approx(3e12, rel=0.1)
+    h200 = PROFILES["h200"]
+    assert (prof.intra_bw, prof.inter_bw, prof.intra_alpha, prof.inter_alpha) == \
+        (h200.intra_bw, h200.inter_bw, h200.intra_alpha, h200.inter_alpha)
+    assert "not measured" in data["fit"]["links"] and len(data["fit"]["kernel"]["points"]) == len(shapes)
+    with pytest.raises(PlanError, match="builtin profile"):
+        cc.build_cuda_profile(shapes, fwd, 2 * fwd, mbytes, [1e-3] * 3, base="nope")
+
+
+def test_calibrate_on_cuda_without_a_gpu_is_one_error():
+    import torch
+
+    from attnplan.runtime.calibrate_cuda import calibrate_cuda
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(PlanError, match="no CUDA device"):
+        calibrate_cuda()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import attnplan
 from attnplan import cli
@@ -228,6 +229,17 @@ def test_run_without_check(capsys, small_plan):
     code, out, err = run(capsys, "run", small_plan)
     assert code == 0, err
     assert out.startswith("ran 2 devices")
+
+
+def test_run_on_cuda(capsys, small_plan):
+    """``--device cuda`` runs every device on one GPU and checks it; without a GPU: one line, exit 2."""
+    code, out, err = run(capsys, "run", small_plan, "--check", "--device", "cuda")
+    if torch.cuda.is_available():
+        assert code == 0 and "PASS" in out and "cuda" in out, out + err
+    else:
+        assert code == 2 and "no CUDA device" in err and len(err.strip().splitlines()) == 1, err
+    code, out, err = run(capsys, "run", small_plan, "--device", "cuda", "--procs", "2")
+    assert code == 2 and "--procs" in err, err
 
 
 # ------------------------------------------------------------------ show

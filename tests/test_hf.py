@@ -309,6 +309,35 @@ def test_context_arguments_are_checked(ex):
     assert hf.current() is None
 
 
+@pytest.mark.parametrize("strategy", ["zigzag", "hypergraph", "ulysses"])
+def test_a_virtual_context_runs_a_multi_device_plan_in_one_process(ex, strategy):
+    """``plan_context(virtual=True)``: every device's program in this process on the whole batch (how one GPU
+    checks a multi-device plan): training equals sdpa, as the one-device and distributed runs do."""
+    cfg = dict(ex.CONFIG, strategy=strategy, steps=2, tokens=128, block_size=16)
+    got, ref = ex.train_local(cfg, devices=2 if strategy == "ulysses" else 3), ex.train_reference(cfg)
+    d = ex.differences(got, ref)
+    assert d["loss"] <= TOL and d["grad"] <= TOL, d
+
+
+def test_a_virtual_context_wants_the_whole_batch(ex):
+    lens, ids = packed(ex)
+    plan = attnplan.compile(seqlens=lens, devices=2, heads=4, kv_heads=2, head_dim=8, block_size=16, dtype="float32")
+    model = llama(ex)
+    with pytest.raises(ShapeError, match="virtual context runs the whole batch"):
+        logits_in_context(model, plan, plan.dispatch(ids, 0), positions(lens)[:plan.local_tokens(0)], virtual=True)
+    with pytest.raises(PlanError, match="virtual must be True or False"):
+        hf.plan_context(plan, virtual="yes")
+    out = logits_in_context(model, plan, ids, positions(lens), virtual=True)
+    assert out.shape == (len(ids), ex.CONFIG["vocab"])
+
+
+def test_hf_train_on_cuda_without_a_gpu_says_so(ex, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert ex.main(["--device", "cuda", "--steps", "1"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
 # 2 gloo processes: the shortened example ---------------------------------------------------------
 
 RUNS = [("llama", "zigzag"), ("llama", "hypergraph"), ("qwen2", "minheap"), ("qwen2", "dacp")]
