@@ -181,13 +181,19 @@ def train_local(cfg: dict, devices: int = 1, device: str = "cpu") -> dict:
             logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
         loss = F.cross_entropy(logits.float(), labels, ignore_index=attnplan.hf.IGNORE_INDEX,
                                reduction="sum") / n_labels
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if step == 0:
-            grads = _grads(model)
-        opt.step()
+        grads = _step(model, opt, loss, grads if step else None)
         losses.append(float(loss.detach()))
     return {"losses": losses, "grads": grads}
+
+
+def _step(model, opt, loss, grads: dict | None) -> dict:
+    """Backward and optimizer step; returns ``grads``, or this step's gradients when ``grads`` is None."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grads is None:
+        grads = _grads(model)
+    opt.step()
+    return grads
 
 
 def train_many(rank: int, world: int, cfgs: list) -> list:
@@ -209,11 +215,7 @@ def train_reference(cfg: dict, device: str = "cpu") -> dict:
         pos = torch.from_numpy(np.concatenate([np.arange(n) for n in batch["seqlens"]])).to(device)
         logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
         loss = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / int((labels != -100).sum())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if step == 0:
-            grads = _grads(model)
-        opt.step()
+        grads = _step(model, opt, loss, grads if step else None)
         losses.append(float(loss.detach()))
     return {"losses": losses, "grads": grads}
 

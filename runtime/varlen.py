@@ -325,12 +325,13 @@ def _run(kind: str, flash, ref, *args):
 
 # tiles ---------------------------------------------------------------------------------
 
-def _fill(into, res: tuple) -> tuple:
-    """``res`` copied into the tensors ``into`` (returned), or ``res`` itself when ``into`` is None."""
+def _into(into, res: tuple, add: bool = False) -> tuple:
+    """``res`` copied (``add``: added) into the tensors ``into`` (returned), or ``res`` itself when ``into`` is
+    None."""
     if into is None:
         return res
     for a, x in zip(into, res):
-        a.copy_(x)
+        a.add_(x) if add else a.copy_(x)
     return tuple(into)
 
 
@@ -343,11 +344,11 @@ def tile_fwd(q: Tensor, k: Tensor, v: Tensor, qs: int, ks: int, pieces, scale: f
     kind = kernel_for(q)
     if kind not in ("flash", "varlen-ref"):
         COUNTS[kind] += 1
-        return _fill(into, kernels.attn_fwd(q, k, v, qs, ks, pieces, scale))
+        return _into(into, kernels.attn_fwd(q, k, v, qs, ks, pieces, scale))
     kernels._check(q, k, v)
     scale = kernels.check_scale(scale)
     if not (finite or kernels._finite(q, k, v)):
-        return _fill(into, kernels.attn_fwd(q, k, v, qs, ks, pieces, scale))
+        return _into(into, kernels.attn_fwd(q, k, v, qs, ks, pieces, scale))
     tp = tile_plan(q, k, qs, ks, pieces, key)
     Sq, Hq, D = q.shape
     acc = kernels._acc_dtype(q.dtype)
@@ -386,15 +387,6 @@ def _as_pieces(calls: list[TileCall], qs: int, ks: int) -> np.ndarray:
                       ks + c.c0 - qs - c.r0 + c.hi] for c in calls], dtype=np.int64).reshape(-1, 6)
 
 
-def _add(into, res: tuple) -> tuple:
-    """``res`` added into the tensors ``into`` (returned), or ``res`` itself when ``into`` is None."""
-    if into is None:
-        return res
-    for a, x in zip(into, res):
-        a.add_(x)
-    return tuple(into)
-
-
 def tile_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Tensor, qs: int, ks: int, pieces,
              scale: float, into=None, finite: bool = False, key=None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`kernels.attn_bwd` by the kernel of q's device and dtype. ``into``: (dq, dk, dv) accumulators to
@@ -403,7 +395,7 @@ def tile_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Te
     kind = kernel_for(q)
     if kind not in ("flash", "varlen-ref"):
         COUNTS[kind] += 1
-        return _add(into, kernels.attn_bwd(q, k, v, out, dout, lse, qs, ks, pieces, scale))
+        return _into(into, kernels.attn_bwd(q, k, v, out, dout, lse, qs, ks, pieces, scale), add=True)
     kernels._check(q, k, v)
     scale = kernels.check_scale(scale)
     if finite:  # rows without keys: lse +inf makes P = exp(s − lse) 0 (a finite dout needs no masking)
@@ -412,7 +404,7 @@ def tile_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, lse: Te
     else:
         out_c, dout_c, lse_c = kernels._bwd_operands(q, out, dout, lse)
         if not kernels._finite(q, k, v, out_c, dout_c, torch.where(torch.isposinf(lse_c), 0.0, lse_c)):
-            return _add(into, kernels.attn_bwd(q, k, v, out, dout, lse, qs, ks, pieces, scale))
+            return _into(into, kernels.attn_bwd(q, k, v, out, dout, lse, qs, ks, pieces, scale), add=True)
     tp = tile_plan(q, k, qs, ks, pieces, key)
     acc = kernels._acc_dtype(q.dtype)
     if into is not None:
