@@ -15,12 +15,11 @@ import math
 import re
 import sys
 import time
-from pathlib import Path
 
+from .cli_io import STDOUT, check_output, progress, shows_progress, summary_stream, write_output
 from .errors import AttnplanError, PlanError
 from .ir import limits
 
-STDOUT = "-"
 MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes 0..2^64-1
 
 
@@ -65,50 +64,6 @@ def _mask_list(text: str) -> list[str]:
 
 
 POSITIVE_DEVICES = _int_in(1, limits.MAX_DEVICES)
-
-
-# ------------------------------------------------------------------ outputs
-
-def _check_output(path: str, what: str, binary: bool = False) -> None:
-    """Fail before any work when ``path`` cannot be written: a folder, or in a
-    folder that does not exist; ``-`` (stdout) must not be a terminal for binary data."""
-    if path == STDOUT:
-        if binary and sys.stdout.isatty():
-            raise PlanError(f"-o -: refusing to write a binary {what} to a terminal; pipe or redirect it")
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise PlanError(f"{path}: cannot write {what}: it is a directory")
-    if p.exists() and not p.is_file():  # a FIFO would block until a reader comes, a device never fills
-        raise PlanError(f"{path}: cannot write {what}: not a regular file")
-    if not p.parent.is_dir():
-        raise PlanError(f"{path}: cannot write {what}: folder {p.parent} does not exist")
-
-
-def _write_output(path: str, data: bytes | str, what: str) -> str:
-    """Write ``data`` to ``path``, or to stdout for ``-``; returns the name to report."""
-    if path == STDOUT:
-        if isinstance(data, bytes):
-            sys.stdout.flush()
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
-        else:
-            sys.stdout.write(data)
-            sys.stdout.flush()
-        return "<stdout>"
-    try:
-        if isinstance(data, bytes):
-            Path(path).write_bytes(data)
-        else:
-            Path(path).write_text(data, encoding="utf-8")
-    except OSError as e:
-        raise PlanError(f"{path}: cannot write {what}: {e.strerror or e}") from None
-    return path
-
-
-def _summary_stream(path: str):
-    """Where a command's one-line summary goes: stderr when stdout carries the output."""
-    return sys.stderr if path == STDOUT else sys.stdout
 
 
 # ------------------------------------------------------------------ shared options
@@ -157,7 +112,9 @@ def _strategy_list(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="plan", description="attnplan: compile, inspect and run distributed attention plans. "
-                 "Sizes are bounded by attnplan/ir/limits.py; -o - writes to standard output.")
+                 "Sizes are bounded by attnplan/ir/limits.py; -o - writes to standard output.",
+                 epilog="exit codes: 0 ok; 1 a check failed (plan run --check, hf_train --check); 2 bad input "
+                        "(one line on stderr: mask text, batch or plan files, flags)")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _add_compile(sub)
     _add_inspect(sub)
@@ -233,6 +190,7 @@ def _add_run(sub) -> None:
     r.add_argument("--timeout", type=float, default=300.0,
                    help=f"seconds a transfer may take before the run fails naming the peer (multi-process runs; "
                         f"finite, at most {limits.MAX_TIMEOUT_S})")
+    r.add_argument("--json", action="store_true", help="with --check: print the errors and tolerances as JSON")
     r.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where this process runs every device's program: the CPU, or one CUDA GPU (transfers "
                         "become device copies)")
@@ -266,7 +224,8 @@ def _add_compare_bench(sub) -> None:
     _shape_args(bn, nodes=False)
     bn.add_argument("--out", default="out/bench", help="folder for bench.json, summary.txt and PNG plots "
                     "(created if missing; an existing file is an error)")
-    bn.add_argument("--no-progress", action="store_true")
+    bn.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
+    bn.add_argument("--json", action="store_true", help="print the rows, summary and best plans as JSON")
 
     cal = sub.add_parser("calibrate", help="measure this machine's kernel and gloo rates (or one GPU's kernels: "
                                            "--device cuda) into a cost profile")
@@ -282,7 +241,7 @@ def _add_compare_bench(sub) -> None:
 
 def _cmd_compile(args) -> int:
     from .api import compile as compile_plan
-    _check_output(args.output, "plan file", binary=True)
+    check_output(args.output, "plan file", binary=True)
     batch = _load_batch(args).compile_args()
 
     def show(p, ir, dt):
@@ -293,12 +252,12 @@ def _cmd_compile(args) -> int:
                         block_size=args.block_size, pipeline=args.pipeline, dtype=args.dtype,
                         memory_cap=args.memory_cap, verify=not args.no_verify, profile=args.profile,
                         instruments=(show,) if args.verbose else ())
-    where = _write_output(args.output, plan.to_bytes(), "plan file")
+    where = write_output(args.output, plan.to_bytes(), "plan file")
     s = plan.stats()
     print(f"wrote {where}: {s['devices']} devices, {s['tokens']} tokens, compute imbalance "
           f"{s['compute_imbalance']:.3f}, comm {s['comm_bytes_total'] / 1e6:.2f} MB, predicted "
           f"{s['predicted_s'] * 1e3:.3f} ms, planned in {s['plan_s']:.3f} s",
-          file=_summary_stream(args.output))
+          file=summary_stream(args.output))
     return 0
 
 
@@ -375,6 +334,12 @@ def _cmd_run(args) -> int:
         print(f"ran {plan.devices} devices forward+backward on {args.device} in {time.perf_counter() - t0:.2f} s")
         return 0
     r = check_plan(plan, args.dtype, args.seed, args.device)
+    if args.json:
+        print(json.dumps({"ok": r["ok"], "devices": plan.devices, "tokens": int(plan.problem.tokens),
+                          "dtype": args.dtype, "device": args.device, "seconds": time.perf_counter() - t0,
+                          "max_abs_error": {n: r[n] for n in ("out", "dq", "dk", "dv")}, "tolerance": r["tol"]},
+                         indent=1))
+        return 0 if r["ok"] else 1
     for name in ("out", "dq", "dk", "dv"):
         print(f"{name:>4}: max abs error {r[name]:.3e} (tolerance {r['tol'][name]:.1e})")
     print(f"{'PASS' if r['ok'] else 'FAIL'}: {plan.devices} devices, {plan.problem.tokens} tokens, {args.dtype}, "
@@ -413,15 +378,15 @@ def _cmd_viz(args) -> int:
     if args.output is None and args.png is None:
         raise PlanError("plan viz needs -o REPORT.html and/or --png DIR")
     if args.output is not None:
-        _check_output(args.output, "report")
+        check_output(args.output, "report")
     plan = load(args.plan)
     if args.output is not None:
         text = render_html(plan, args.profile)
-        where = _write_output(args.output, text, "report")
-        print(f"wrote {where} ({len(text.encode()) / 1e6:.2f} MB)", file=_summary_stream(args.output))
+        where = write_output(args.output, text, "report")
+        print(f"wrote {where} ({len(text.encode()) / 1e6:.2f} MB)", file=summary_stream(args.output))
     if args.png is not None:
         print("wrote " + ", ".join(str(p) for p in write_pngs(plan, args.png, args.profile)),
-              file=_summary_stream(args.output))
+              file=summary_stream(args.output))
     return 0
 
 
@@ -438,18 +403,19 @@ def _cmd_compare(args) -> int:
     if args.html == STDOUT:
         raise PlanError("--html -: the table goes to stdout; give the report a file name")
     if args.html is not None:
-        _check_output(args.html, "report")
+        check_output(args.html, "report")
     batch = _load_batch(args).compile_args()
     strategies = _strategy_list(args.strategies)
     check_options(devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype, profile=args.profile)
-    rows, plans = compare(strategies, **batch, mask=args.mask,
-                          devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
-                          head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype,
-                          profile=args.profile)
+    with progress(len(strategies), "planning") as advance:
+        rows, plans = compare(strategies, progress=advance, **batch, mask=args.mask,
+                              devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
+                              head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype,
+                              profile=args.profile)
     if args.html:
         from .backends.viz import render_compare_html
-        _write_output(args.html, render_compare_html(list(plans.items())), "report")
+        write_output(args.html, render_compare_html(list(plans.items())), "report")
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -496,7 +462,10 @@ def _cmd_bench(args) -> int:
     out = ensure_out_dir(args.out)
     res = bench(path, args.masks, args.devices, strategies, out, names=_names(args.names), heads=args.heads,
                 kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size, profile=args.profile,
-                show_progress=not args.no_progress)
+                show_progress=shows_progress(args.no_progress))
+    if args.json:
+        print(json.dumps({k: res[k] for k in ("rows", "summary", "best")}, indent=1, default=float))
+        return 0
     print(res["text"])
     print("wrote " + ", ".join(str(f) for f in res["files"]))
     return 0
@@ -505,20 +474,20 @@ def _cmd_bench(args) -> int:
 def _cmd_calibrate(args) -> int:
     from .runtime.calibrate import calibrate
     args.output = args.output or f"{args.device}-calibrated.json"
-    _check_output(args.output, "cost profile")
+    check_output(args.output, "cost profile")
     if args.device == "cuda":
         from .runtime.calibrate_cuda import calibrate_cuda
         prof = calibrate_cuda(args.repeats, args.base)
-        where = _write_output(args.output, json.dumps(prof, indent=1) + "\n", "cost profile")
+        where = write_output(args.output, json.dumps(prof, indent=1) + "\n", "cost profile")
         print(f"wrote {where}: kernel {prof['peak_flops'] * prof['efficiency'] / 1e12:.1f} TFLOP/s (bf16, "
               f"{prof['efficiency']:.0%} of {prof['peak_flops'] / 1e12:.0f}), launch {prof['launch_s'] * 1e6:.1f} us, "
-              f"merges {prof['mem_bw'] / 1e9:.0f} GB/s; links from {args.base}", file=_summary_stream(args.output))
+              f"merges {prof['mem_bw'] / 1e9:.0f} GB/s; links from {args.base}", file=summary_stream(args.output))
         return 0
     prof = calibrate(args.repeats)
-    where = _write_output(args.output, json.dumps(prof, indent=1) + "\n", "cost profile")
+    where = write_output(args.output, json.dumps(prof, indent=1) + "\n", "cost profile")
     print(f"wrote {where}: kernel {prof['peak_flops'] / 1e9:.1f} GFLOP/s (bf16, 1 thread), launch "
           f"{prof['launch_s'] * 1e6:.1f} us, gloo {prof['intra_bw'] / 1e9:.2f} GB/s, latency "
-          f"{prof['intra_alpha'] * 1e6:.0f} us", file=_summary_stream(args.output))
+          f"{prof['intra_alpha'] * 1e6:.0f} us", file=summary_stream(args.output))
     return 0
 
 

@@ -25,6 +25,7 @@ import os
 import re
 import sys
 
+from .cli_io import check_output, progress, shows_progress, summary_stream, write_output
 from .errors import StepError
 from .ir import limits
 
@@ -91,7 +92,8 @@ def add_step_parser(sub) -> None:
     bn.add_argument("--recompute", default="full", choices=["full", "none"], help="activation recompute")
     bn.add_argument("--out", default="out/step_bench", help="folder for step_bench.json, summary.txt and PNG "
                     "plots (created if missing; an existing file is an error)")
-    bn.add_argument("--no-progress", action="store_true")
+    bn.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
+    bn.add_argument("--json", action="store_true", help="print the rows and summary as JSON")
 
 
 @contextlib.contextmanager
@@ -156,14 +158,13 @@ def _cmd_compare(args) -> int:
     problem = _problem(args)
     mesh = problem.mesh
     if args.html:
-        from .cli import _check_output
-        _check_output(args.html, "step report")
+        check_output(args.html, "step report")
     with _c_stdout_to_stderr():
-        rows, done = compare_systems(problem, names)
+        with progress(len(names), "planning") as advance:
+            rows, done = compare_systems(problem, names, progress=advance)
     if args.html:
-        from .cli import _write_output
         from .step.report import render_step_html
-        _write_output(args.html, render_step_html(problem, rows, done), "step report")
+        write_output(args.html, render_step_html(problem, rows, done), "step report")
     out = sys.stderr if args.html == "-" else sys.stdout   # stdout carries the HTML
     if args.json:
         print(json.dumps({"model": problem.model.name, "mesh": mesh.spec(), "devices_per_node": mesh.devices_per_node,
@@ -180,20 +181,19 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_compile(args) -> int:
-    from .cli import _check_output, _summary_stream, _write_output
     from .step import compile_step, parse_system
     from .step.stepfile import pack
-    _check_output(args.output, "step plan file", binary=True)
+    check_output(args.output, "step plan file", binary=True)
     parse_system(args.system)
     problem = _problem(args)
     with _c_stdout_to_stderr():
         c = compile_step(problem, args.system)
-    where = _write_output(args.output, pack(c), "step plan file")
+    where = write_output(args.output, pack(c), "step plan file")
     r = c.report
     print(f"wrote {where}: {c.plan.system}, {r['micro_batches']} micro-batches on {r['devices']} devices, step "
           f"{r['step_s'] * 1e3:.1f} ms ({r['step_over_lower_bound']:.3f} x lower bound), DP imbalance "
           f"{r['dp_imbalance']:.3f}, peak {r['peak_memory_bytes'] / 2**30:.1f} of {r['memory_cap_bytes'] / 2**30:.0f} "
-          f"GiB, planned in {r['plan_s']:.2f} s", file=_summary_stream(args.output))
+          f"GiB, planned in {r['plan_s']:.2f} s", file=summary_stream(args.output))
     return 0
 
 
@@ -231,7 +231,11 @@ def _cmd_bench(args) -> int:
     ensure_out_dir(args.out)
     with _c_stdout_to_stderr():        # the progress bar goes to stderr too
         res = step_bench(path, args.systems, args.out, names=names, model=args.model, profile=args.profile,
-                         recompute=args.recompute, block_size=args.block_size, show_progress=not args.no_progress)
+                         recompute=args.recompute, block_size=args.block_size,
+                         show_progress=shows_progress(args.no_progress))
+    if args.json:
+        print(json.dumps({k: res[k] for k in ("rows", "summary")}, indent=1, default=float))
+        return 0
     print(res["text"])
     print("wrote " + ", ".join(str(f) for f in res["files"]))
     return 0
@@ -241,7 +245,3 @@ def cmd_step(args) -> int:
     cmds = {"compare": _cmd_compare, "compile": _cmd_compile, "show": _cmd_show, "bench": _cmd_bench}
     return cmds[args.step_cmd](args)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    from .cli import main
-    sys.exit(main(["step", *sys.argv[1:]]))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost import _PhaseWalk
+from .walk import PhaseWalk
 
 
 def max_min_rates(ports: np.ndarray, capacity: np.ndarray) -> np.ndarray:
@@ -52,8 +52,8 @@ def max_min_rates(ports: np.ndarray, capacity: np.ndarray) -> np.ndarray:
 
 
 @dataclass(slots=True, eq=False)
-class FairWalk(_PhaseWalk):
-    """:class:`_PhaseWalk` with fluid flows instead of link queues: a
+class FairWalk(PhaseWalk):
+    """:class:`PhaseWalk` with fluid flows instead of link queues: a
     message posted on both sides starts after ``alpha``; its ``end`` is set
     when its bytes are done (until then a wait on it stalls)."""
 

@@ -80,7 +80,7 @@ def _schedule_shares(ir, total_pairs: int, total_flops: int) -> dict:
             "kernel_work_ratio": float(rounded / max(1, total_pairs))}
 
 
-def compute_stats(ir, plan_s: float = 0.0, profile: Profile | str = "h100", sim: dict | None = None) -> dict:
+def compute_stats(ir, plan_s: float | None = 0.0, profile: Profile | str = "h100", sim: dict | None = None) -> dict:
     """The stats of a plan's IR under ``profile`` (a :class:`Profile`, or a
     profile the user named: see :func:`cost.get_profile`; a plan's recorded
     name is resolved with :func:`cost.resolve_profile` first). ``sim``: a
@@ -153,7 +153,7 @@ def format_stats(s: dict) -> str:
         ("lower bound", f"{s['lower_bound_s'] * 1e3:.3f} ms"),
         ("predicted / bound", f"{s['predicted_over_lower_bound']:.2f}"),
         ("blocks", f"{s['token_blocks']} token, {s['compute_blocks']} compute, {s['instructions']} instr"),
-        ("plan time", f"{s['plan_s']:.3f} s"),
+        ("plan time", "not stored" if s["plan_s"] is None else f"{s['plan_s']:.3f} s"),  # a loaded plan file
     ]
     w = max(len(k) for k, _ in head)
     lines = [f"{k:<{w}}  {v}" for k, v in head]

@@ -76,7 +76,7 @@ from ..errors import PlanError
 from ..ir.groups import group_limit
 from ..ir.mask import Q0, piece_counts
 from ..ir.module import PlanIR
-from ..ir.placement import chunk_bounds, place_segments, zigzag_device
+from ..ir.place import chunk_bounds, place_segments, zigzag_device
 from ..ir.problem import Problem
 from .base import Pass, register
 

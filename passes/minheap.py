@@ -65,7 +65,7 @@ from ..ir.arrays import unique
 from ..ir.graph import _expand
 from ..ir.mask import Q0, Q1, piece_counts, tighten
 from ..ir.module import PlanIR
-from ..ir.placement import chunk_bounds, place_segments
+from ..ir.place import chunk_bounds, place_segments
 from .base import Pass, register
 
 SLACK = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, math.inf)  # token slack ladder of stage 2

@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import PlanError
 from ..ir.module import PlanIR
 from ..ir.groups import group_limit
-from ..ir.placement import place_segments
+from ..ir.place import place_segments
 from .base import Pass, register
 
 

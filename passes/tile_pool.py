@@ -50,7 +50,7 @@ import numpy as np
 from ..errors import PlanError
 from ..ir.graph import BlockGraph, sample_cuts
 from ..ir.module import PlanIR
-from ..ir.placement import chunk_bounds, place_segments, zigzag_device
+from ..ir.place import chunk_bounds, place_segments, zigzag_device
 from ..ir.program import B_KV, B_O, B_Q, FWD, buffer_bytes
 from .base import Pass, register
 

@@ -44,7 +44,7 @@ import numpy as np
 from ..errors import PlanError
 from ..ir.graph import hg_share
 from ..ir.module import PlanIR
-from ..ir.placement import chunk_bounds, place_segments
+from ..ir.place import chunk_bounds, place_segments
 from .base import Pass, register
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import PlanError
 from ..ir.graph import hg_share
 from ..ir.module import PlanIR
-from ..ir.placement import chunk_bounds, place_segments, zigzag_device
+from ..ir.place import chunk_bounds, place_segments, zigzag_device
 from .base import Pass, register
 from .ulysses import kv_copies
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir.module import PlanIR
-from ..ir.placement import chunk_bounds, place_segments, zigzag_device
+from ..ir.place import chunk_bounds, place_segments, zigzag_device
 from .base import Pass, register
 
 __all__ = ["Zigzag", "chunk_bounds", "zigzag_device"]

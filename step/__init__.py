@@ -19,7 +19,7 @@ memory per device (:func:`compile_step`)::
 
 from __future__ import annotations
 
-from .base import SYSTEMS, StepPass, parse_system, register_system, system_names, unregister_system
+from .base import BUILTIN_SYSTEMS, SYSTEMS, StepPass, parse_system, register_system, system_names, unregister_system
 from .driver import CompiledStep, compile_step
 from .ir import StepPlan, StepProblem, build_plan
 from .lower import make_problem
@@ -28,7 +28,7 @@ from .model import PRESETS, Model, load_model
 from .systems import BUILTIN
 
 for _cls in BUILTIN.values():
-    SYSTEMS[_cls.name] = _cls
+    SYSTEMS[_cls.name] = BUILTIN_SYSTEMS[_cls.name] = _cls
 
 __all__ = ["BUILTIN", "PRESETS", "SYSTEMS", "CompiledStep", "Mesh", "Model", "StepPass", "StepPlan", "StepProblem",
            "build_plan", "compile_step", "load_model", "make_problem", "parse_mesh", "parse_system",

@@ -39,6 +39,7 @@ from ..passes.base import instantiate
 from .ir import StepPlan, StepProblem
 
 SYSTEMS: dict[str, type[StepPass]] = {}
+BUILTIN_SYSTEMS: dict[str, type[StepPass]] = {}  # attnplan.step.systems, entered when attnplan.step loads
 _SPEC_CHARS = set(",{}=") | {" ", "\t", "\n"}
 
 
@@ -64,22 +65,20 @@ class StepPass:
 def register_system(cls):
     """Register a batch pass class under its ``name`` (usable as a decorator);
     re-registering a name replaces it, except a built-in one."""
-    from .systems import BUILTIN
     if not (isinstance(cls, type) and issubclass(cls, StepPass) and dataclasses.is_dataclass(cls)):
         raise StepError(f"register_system: {cls!r} is not a dataclass subclass of attnplan.step.StepPass")
     name = cls.name
     if not isinstance(name, str) or not name or _SPEC_CHARS & set(name):
         raise StepError(f"register_system: {cls.__name__}.name must be a non-empty name without ',{{}}=' or "
                         f"spaces, got {name!r}")
-    if name in BUILTIN and BUILTIN[name] is not cls:
+    if name in BUILTIN_SYSTEMS and BUILTIN_SYSTEMS[name] is not cls:
         raise StepError(f"register_system: {name!r} is a built-in system; choose another name for {cls.__name__}")
     SYSTEMS[name] = cls
     return cls
 
 
 def unregister_system(name: str) -> type[StepPass]:
-    from .systems import BUILTIN
-    if name in BUILTIN:
+    if name in BUILTIN_SYSTEMS:
         raise StepError(f"unregister_system: {name!r} is a built-in system and cannot be removed")
     if name not in SYSTEMS:
         raise StepError(f"unregister_system: no system named {name!r} is registered")

@@ -14,7 +14,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attnplan
-from attnplan.backends.cost import get_profile, link_seconds, run_starts, simulate
+from attnplan.backends.cost import get_profile, link_seconds, simulate
+from attnplan.backends.walk import run_starts
 from attnplan.ir.program import (A1, B_KV, B_Q, BWD, FWD, M_BYTES, M_DST, M_END, M_PHASE, M_SRC, M_START, OP, T_KIND,
                                  buffer_bytes)
 from attnplan.ir.schedule import X_Q, XHG, XK, XTB

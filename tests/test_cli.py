@@ -192,7 +192,7 @@ def test_stats_json_contract(capsys, small_plan):
     assert sum(pd["comm_in_bytes"]) == sum(pd["comm_out_bytes"]) == s["comm_bytes_total"] > 0
     assert s["comm_bytes_max"] == max(i + o for i, o in zip(pd["comm_in_bytes"], pd["comm_out_bytes"]))
     assert 0 < s["lower_bound_s"] <= s["predicted_s"]
-    assert s["plan_s"] == 0  # a plan file holds no timing (issue 8): loaded plans report none
+    assert s["plan_s"] is None  # a plan file holds no timing: loaded plans report none
 
 
 def test_stats_json_equals_api(capsys, small_plan):
@@ -522,3 +522,58 @@ def test_console_script_end_to_end(tmp_path):
     r = subprocess.run([script, "mask", "causal &", "--seqlens", "4"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("plan: error: <mask>:1:9:") and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ consistency over the parser
+
+TABLE_COMMANDS = {("stats",), ("compare",), ("bench",), ("run",), ("step", "compare"), ("step", "show"),
+                  ("step", "bench")}  # the subcommands that print a table
+
+
+def _subcommands(parser, prefix=()):
+    import argparse
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield prefix + (name,), sub
+                yield from _subcommands(sub, prefix + (name,))
+
+
+def test_every_table_printing_subcommand_takes_json():
+    subs = dict(_subcommands(cli.build_parser()))
+    assert TABLE_COMMANDS <= set(subs)
+    for path in TABLE_COMMANDS:
+        opts = {o for a in subs[path]._actions for o in a.option_strings}
+        assert "--json" in opts, " ".join(path)
+    long_work = [p for p, sp in subs.items() if p[-1] == "bench"]
+    for path in long_work:  # long work can silence its progress bar (it is drawn on a terminal only)
+        assert "--no-progress" in {o for a in subs[path]._actions for o in a.option_strings}
+
+
+def test_exit_codes_are_documented():
+    text = cli.build_parser().format_help()
+    text = " ".join(text.split())
+    assert "exit codes: 0 ok; 1" in text and "2 bad input" in text
+
+
+def test_run_check_json(capsys, small_plan):
+    code, out, err = run(capsys, "run", small_plan, "--check", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["ok"] is True and set(d["max_abs_error"]) == {"out", "dq", "dk", "dv"} and d["device"] == "cpu"
+
+
+def test_stats_of_a_plan_file_says_its_plan_time_is_not_stored(capsys, small_plan):
+    code, out, err = run(capsys, "stats", small_plan)
+    line = next(x for x in out.splitlines() if x.startswith("plan time"))
+    assert code == 0 and line.split()[-2:] == ["not", "stored"], out
+    code, out, err = run(capsys, "stats", small_plan, "--json")
+    assert json.loads(out)["plan_s"] is None
+
+
+def test_progress_is_quiet_when_piped(capsys):
+    from attnplan.cli_io import progress
+    with progress(10, "x") as advance:  # pytest's stderr is not a terminal
+        for _ in range(10):
+            advance("y")
+    assert capsys.readouterr().err == ""

@@ -14,7 +14,7 @@ import attnplan
 from attnplan.errors import PlanError
 from attnplan.frontend import load_mask, lower_batch
 from attnplan.ir.module import LEVELS, PlanIR
-from attnplan.ir.placement import chunk_bounds, place_segments, segment_home, zigzag_device
+from attnplan.ir.place import chunk_bounds, place_segments, segment_home, zigzag_device
 from attnplan.ir.problem import Problem
 from attnplan.ir.verify import verify
 from attnplan.passes import dacp as dacp_mod

@@ -22,7 +22,7 @@ than the best simulated plan's whole makespan cannot win.
    documents, which already prune it; 100,000 short documents at 8 devices:
    1.4M segments, 1.8 s whole, pruned at the second tier).
 1. **Place**: ``tile`` (once, shared) and the strategy pass of each default
-   pipeline (:func:`attnplan.api.default_pipeline`). The mask is lowered
+   pipeline (:func:`attnplan.passes.default.default_pipeline`). The mask is lowered
    once for all of them. Candidates are not verified pass by pass: the
    chosen plan is, every level of it (``verify``), before it is returned —
    the verifier was 40% of auto's time (cProfile, pretrain-128k-0 at 8 devices),
@@ -125,7 +125,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, launches, merge_seconds, simulate
+from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, launches, simulate
+from ..backends.walk import merge_seconds
 from ..errors import PlanError, VerifyError
 from ..ir.module import PlanIR
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
@@ -230,7 +231,7 @@ def _merges(g, n: int, prof, o: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray,
     (forward O, backward dQ at Q's home and dKV at KV's home): emit merges
     each received partial block into the home's block after its compute, an
     instruction of its stream that reads and writes its bytes
-    (:func:`attnplan.backends.cost.merge_seconds`, as the simulator charges it).
+    (:func:`attnplan.backends.walk.merge_seconds`, as the simulator charges it).
     ``o``: the partial O rows (src computes, dst is home); ``kv``: the KV rows
     (src is home), whose partial dKV travel back."""
     def at(dst, phase, kind, rows):
@@ -283,7 +284,7 @@ class Placed:
 
 def _heads(kwargs: dict) -> dict[str, list]:
     """Per strategy: the tile pass and the placement pass of its default pipeline."""
-    from ..api import default_pipeline
+    from ..passes.default import default_pipeline
     return {name: _split(parse_pipeline(default_pipeline(name, kwargs["block_size"])))[0] for name in strategies()}
 
 
@@ -388,7 +389,7 @@ class Scheduled:
 def schedule(p: Placed, kwargs: dict, comm: str | None = None) -> Scheduled:
     """``p``'s default pipeline (its comm step's options replaced by
     ``comm``, if given) from its placement up to, not including, ``emit``."""
-    from ..api import default_pipeline
+    from ..passes.default import default_pipeline
     if p.ir is None:
         raise PlanError(f"{p.name} has no placement to finish ({p.error})")
     passes = parse_pipeline(default_pipeline(p.name, kwargs["block_size"], comm))
@@ -541,8 +542,8 @@ def _bound_source(state) -> str:
 def compile_auto(kwargs: dict, keep: int = KEEP):
     """``compile(strategy="auto")`` on its checked arguments (``kwargs``: the
     options of ``check_options`` and seqlens, segments, mask, verify,
-    instruments, max_compute_blocks). Returns the :class:`attnplan.api.Plan`."""
-    from ..api import Plan
+    instruments, max_compute_blocks). Returns the :class:`attnplan.tools.plan.Plan`."""
+    from .plan import Plan
     t0 = time.perf_counter()
     prof = get_profile(kwargs["profile"])
     best, candidates, estimates, pruned, spent = search(problem_ir(kwargs), kwargs, prof, keep)

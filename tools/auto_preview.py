@@ -14,7 +14,7 @@ from ..ir.arrays import unique
 from ..ir.graph import q_block_rows
 from ..ir.mask import HI, K0, K1, LO, Q0, Q1, piece_counts, tighten
 from ..ir.module import PlanIR
-from ..ir.placement import segment_home
+from ..ir.place import segment_home
 
 
 def row_tiles(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:

@@ -73,7 +73,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, link_seconds, merge_seconds
+from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, link_seconds
+from ..backends.walk import merge_seconds
 from ..ir.module import PlanIR
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB
