@@ -174,7 +174,7 @@ def _cmd_compare(args) -> int:
         print(f"{problem.tokens:,} tokens in {problem.docs} documents, {problem.model.name}, {mesh.spec()} on "
               f"{mesh.nodes} node(s) of {mesh.devices_per_node}, {problem.profile.name}, recompute {mesh.recompute}",
               file=out)
-        print(format_rows(rows), file=out)
+        print(format_rows(rows, mesh), file=out)
         if args.html:
             print(f"wrote {args.html if args.html != '-' else '<stdout>'}", file=out)
     return 0

@@ -166,8 +166,13 @@ def resolve_match(match) -> str:
 
 
 class TorchTransport:
-    """``post_send``/``post_recv``/``wait`` over ``isend``/``irecv``: tagged by
-    message (``match="tag"``), or all with tag 0 (``match="order"``)."""
+    """``post_send``/``post_recv``/``wait`` over point-to-point ops: tagged by
+    message (``match="tag"``), or all with tag 0 (``match="order"``). The posts
+    of one run of consecutive ``send``/``recv`` instructions (a stage's
+    messages) go out together as one ``batch_isend_irecv`` when the stream
+    reaches its next other instruction (:meth:`flush`; the runner calls it), in
+    program order: on NCCL one group of sends and receives, which cannot
+    deadlock on the order of pairs inside it."""
 
     def __init__(self, program, device: int, info: GroupInfo, generation: int, timeout: float,
                  match: str = "tag"):
@@ -175,6 +180,7 @@ class TorchTransport:
         self.base = generation * len(program.messages)
         self.by_order = match == "order" or info.backend == "nccl"  # NCCL has no tags: posting order only
         self.pending: dict[int, tuple] = {}
+        self.batch: list[tuple] = []  # (tag, op, wire, peer, what) posted since the last flush
 
     def _tag(self, tag: int) -> int:
         return 0 if self.by_order else (self.base + tag) % _MAX_TAG
@@ -196,22 +202,34 @@ class TorchTransport:
 
     def post_send(self, tag: int, peer: int, tensors, flat=None) -> None:
         wire = flat if flat is not None else pack(tensors)  # one contiguous buffer a message
-        try:
-            works = [dist.isend(wire, self.info.ranks[peer], group=self.info.group, tag=self._tag(tag))]
-        except RuntimeError as e:
-            raise self._fail(tag, peer, "take the data", e) from None
-        self.pending[tag] = (works, wire, peer, "take the data")
+        self.batch.append((tag, dist.P2POp(dist.isend, wire, self.info.ranks[peer], self.info.group, self._tag(tag)),
+                           wire, peer, "take the data"))
 
     def post_recv(self, tag: int, peer: int, tensors, flat=None) -> None:
         if flat is None:  # pragma: no cover - the runner always receives into a flat buffer
             raise PlanError("TorchTransport receives into packed buffers only")
+        self.batch.append((tag, dist.P2POp(dist.irecv, flat, self.info.ranks[peer], self.info.group,
+                                           self._tag(tag)), flat, peer, "send the data"))
+
+    def flush(self) -> None:
+        """Start the posts since the last flush, in program order, as one ``batch_isend_irecv``."""
+        if not self.batch:
+            return
+        batch, self.batch = self.batch, []
         try:
-            works = [dist.irecv(flat, self.info.ranks[peer], group=self.info.group, tag=self._tag(tag))]
+            works = dist.batch_isend_irecv([op for _, op, _, _, _ in batch])
         except RuntimeError as e:
-            raise self._fail(tag, peer, "send the data", e) from None
-        self.pending[tag] = (works, flat, peer, "send the data")
+            tag, _, _, peer, what = batch[0]
+            raise self._fail(tag, peer, what, e) from None
+        works = list(works or [])
+        if works and len(works) != len(batch):  # one work for the whole group (NCCL): every message waits on it
+            works = [works[-1]] * len(batch)
+        for i, (tag, _, wire, peer, what) in enumerate(batch):
+            self.pending[tag] = (works[i:i + 1], wire, peer, what)
 
     def wait(self, tag: int) -> None:
+        if tag not in self.pending:
+            self.flush()
         works, _, peer, what = self.pending.pop(tag)
         try:
             for w in works:
@@ -221,6 +239,7 @@ class TorchTransport:
 
     def drain(self) -> None:
         """Wait for whatever the stream posted and never waited for."""
+        self.flush()
         for tag in sorted(self.pending):
             self.wait(tag)
 

@@ -192,36 +192,31 @@ def _message_buffers(program, phase: int, device: int, code: np.ndarray) -> dict
     return out
 
 
-def _last_use(code: np.ndarray, nbuf: int, msg_bufs: dict) -> np.ndarray:
-    """Index of the last instruction that names each buffer, or sends or
-    receives it in a message (−1: none)."""
-    last = np.full(nbuf, -1, np.int64)
+def _use(code: np.ndarray, nbuf: int, msg_bufs: dict, last: bool) -> np.ndarray:
+    """Index of the last (``last``) or first instruction that names each buffer, or sends or receives it in
+    a message (−1: none)."""
+    n = len(code)
+    at = np.full(nbuf, -1 if last else n, np.int64)
+    pick = np.maximum if last else np.minimum
     for spec in ISA:
         rows = np.flatnonzero(code[:, OP] == spec.code)
         for c in spec.cols(ARG_BUF) if len(rows) else ():
-            np.maximum.at(last, code[rows, c], rows)
+            pick.at(at, code[rows, c], rows)
     for op in (SEND, RECV):
         for i in np.flatnonzero(code[:, OP] == op).tolist():
             b = np.asarray(msg_bufs[(op, int(code[i, A1]))], np.int64)
-            last[b] = np.maximum(last[b], i)
-    return last
+            at[b] = pick(at[b], i)
+    at[at == n] = -1
+    return at
+
+
+def _last_use(code: np.ndarray, nbuf: int, msg_bufs: dict) -> np.ndarray:
+    return _use(code, nbuf, msg_bufs, last=True)
 
 
 def first_use(code: np.ndarray, nbuf: int, msg_bufs: dict) -> np.ndarray:
-    """Index of the first instruction that names each buffer, or sends or
-    receives it in a message (−1: none); the dual of :func:`_last_use`."""
-    n = len(code)
-    first = np.full(nbuf, n, np.int64)
-    for spec in ISA:
-        rows = np.flatnonzero(code[:, OP] == spec.code)
-        for c in spec.cols(ARG_BUF) if len(rows) else ():
-            np.minimum.at(first, code[rows, c], rows)
-    for op in (SEND, RECV):
-        for i in np.flatnonzero(code[:, OP] == op).tolist():
-            b = np.asarray(msg_bufs[(op, int(code[i, A1]))], np.int64)
-            first[b] = np.minimum(first[b], i)
-    first[first == n] = -1
-    return first
+    """Index of the first instruction that names each buffer, or sends or receives it in a message (−1: none)."""
+    return _use(code, nbuf, msg_bufs, last=False)
 
 
 def check_stream(code: np.ndarray, bufs: np.ndarray, phase: int, device: int, program=None,
@@ -307,6 +302,7 @@ class DeviceRunner:
                                                           torch.device("cpu"))
         self.pc = 0
         self._t0: float | None = None
+        self._flush = getattr(transport, "flush", None)  # transports that start a run of posts as one batch
         self.track_memory = False  # when set: ``peak_bytes``, the most bytes of non-home buffers held at once
         self.peak_bytes = 0
         self.finite = finite  # the caller checked that every input of the phase is finite (tiles skip the check)
@@ -354,6 +350,8 @@ class DeviceRunner:
         op = row[0]
         tm = self.timings
         t0 = time.perf_counter()
+        if op != SEND and op != RECV and self._flush is not None:
+            self._flush()  # the stage's posts go out together before the stream moves on
         if op == WAIT:
             self.transport.wait(row[1])
             tm.wait += time.perf_counter() - t0
@@ -460,7 +458,9 @@ class DeviceRunner:
                             f"{OPS[op] if 0 <= op < len(OPS) else op} is not valid in {PHASES[self.phase]}")
 
     def finish(self) -> None:
-        """End of the stream: record the wall time."""
+        """End of the stream: start any posts still held, record the wall time."""
+        if self._flush is not None:
+            self._flush()
         if self._t0 is not None:
             dt = time.perf_counter() - self._t0
             self.timings.wall += dt

@@ -8,6 +8,8 @@ system's own step report (:func:`attnplan.step.simulate.simulate_step`)."""
 
 from __future__ import annotations
 
+import re
+
 from ..errors import PlanError, StepError, VerifyError
 from .base import parse_system, system_names
 from .driver import CompiledStep, compile_step
@@ -68,17 +70,47 @@ def compare_systems(problem: StepProblem, names, progress=None) -> tuple[list[di
     return rows, done
 
 
-def format_rows(rows: list[dict]) -> str:
+_NO_FIT = re.compile(r"document \d+ \(([\d,]+) tokens\) does not fit .*?(?:of at most ([\d,]+) tokens.*?(\d+) devices"
+                     r"|(\d+) devices.*?\(([\d,]+) tokens at most\))")
+
+
+def way_forward(error: str, mesh, planned: list[str]) -> str | None:
+    """For a system whose groups cannot hold a document: the CP size it would need, and which systems (of
+    those that planned) and which meshes of the same devices can hold it; None for other errors."""
+    m = _NO_FIT.search(error)
+    others = [p for p in planned if not error.startswith(p)]
+    if m is None and "over its cap of" in error:  # a micro-batch over the memory cap
+        return "try " + ", ".join(others[:3]) if others else None
+    if m is None:
+        return None
+    doc = int(m.group(1).replace(",", ""))
+    cap, devices = (m.group(2), m.group(3)) if m.group(2) else (m.group(5), m.group(4))
+    per_device = int(cap.replace(",", "")) / int(devices)
+    need = -(-doc // max(1, int(per_device)))
+    n = mesh.stage_devices
+    meshes = [f"--mesh dp={n // c},cp={c}" for c in range(need, n + 1) if n % c == 0][:1]
+    tries = ", ".join(others[:3] + meshes)
+    return f"needs cp >= {need}" + (f": try {tries}" if tries else f": more than the {n} devices of a stage")
+
+
+def format_rows(rows: list[dict], mesh=None) -> str:
     head = (f"{'system':<14} {'mb':>4} {'step ms':>9} {'bound ms':>9} {'step/LB':>7} {'DP imb':>6} "
             f"{'grad ms':>7} {'peak GiB':>8} {'cap':>5} {'plan s':>6} {'vs fixed':>8}")
     lines = [head]
+    planned = [r["system"] for r in rows if "error" not in r]
+    notes = []
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['system']:<14} {r['error']}")
+            hint = way_forward(r["error"], mesh, planned) if mesh is not None else None
+            lines.append(f"{r['system']:<14} {r['error']}" + (f"; {hint}" if hint else ""))
             continue
+        fallback = dict(r.get("info") or {}).get("fallback")
+        if fallback:
+            notes.append(f"* {r['system']}: {fallback}")
         vs = f"{r['speedup_vs_fixed']:.2f}x" if "speedup_vs_fixed" in r else "-"
-        lines.append(f"{r['system']:<14} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
+        name = r["system"] + ("*" if fallback else "")
+        lines.append(f"{name:<14} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
                      f"{r['lower_bound_s'] * 1e3:>9.1f} {r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} "
                      f"{r['exposed_grad_s'] * 1e3:>7.1f} {r['peak_memory_bytes'] / 2**30:>8.1f} "
                      f"{r['memory_cap_bytes'] / 2**30:>5.0f} {r['plan_s']:>6.2f} {vs:>8}")
-    return "\n".join(lines)
+    return "\n".join(lines + notes)

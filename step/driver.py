@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .base import StepPass, parse_system
 from .ir import StepPlan, StepProblem
-from .lower import Lowered, lower_step
+from .lower import Lowered, lower_or_fall_back
 from .simulate import memory, simulate_step
 from .verify import verify_lowered, verify_plan
 
@@ -35,7 +35,7 @@ def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify:
     plan = sp.apply(problem)
     if verify:
         verify_plan(plan)
-    lowered = lower_step(plan)
+    plan, lowered = lower_or_fall_back(plan)  # a strategy its group cannot lower gives way to one that can
     peak, peak_mb = memory(plan, lowered)
     if verify:
         verify_lowered(plan, lowered, peak, peak_mb, problem.cap)

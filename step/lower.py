@@ -14,6 +14,8 @@ reuses the winner when the step is lowered.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -302,6 +304,35 @@ def lower_step(plan: StepPlan) -> list[Lowered]:
             raise PlanError(f"micro-batch {m} ({plan.mb_strategy[m]} on {len(plan.mb_ranks(m))} devices): "
                             f"{str(e).splitlines()[0]}") from None
     return out
+
+
+def lower_or_fall_back(plan: StepPlan) -> tuple[StepPlan, list[Lowered]]:
+    """Every micro-batch lowered, as :func:`lower_step`; but a micro-batch whose strategy the attention level
+    cannot lower on its group (a compute-block limit, heads its devices cannot split, ...) takes the best
+    strategy that can (:meth:`AttentionCache.auto`), and the returned plan says so: its ``mb_strategy``
+    names what runs and its ``info`` has a ``fallback`` entry. A PlanError only when no strategy can."""
+    p = plan.problem
+    out, strategies, notes = [], list(plan.mb_strategy), []
+    for m in range(plan.n_mb):
+        ranks = plan.mb_ranks(m)
+        try:
+            out.append(lower_mb(plan, m))
+            continue
+        except PlanError as e:
+            first = str(e).splitlines()[0]
+        try:
+            low = cache_of(p).auto(plan.mb_seqlens(m), len(ranks), group_nodes(p.mesh, ranks), heads_of(p))
+        except PlanError:
+            raise PlanError(f"micro-batch {m} ({plan.mb_strategy[m]} on {len(ranks)} devices): {first}") from None
+        why = first.split(": use ")[0].split("; ")[0]
+        notes.append(f"micro-batch {m}: {plan.mb_strategy[m]} cannot run on its {len(ranks)} devices ({why}); "
+                     f"{low.strategy} instead")
+        strategies[m] = low.strategy
+        out.append(low)
+    if notes:
+        plan = dataclasses.replace(plan, mb_strategy=tuple(strategies),
+                                   info=tuple(plan.info) + (("fallback", "; ".join(notes)),))
+    return plan, out
 
 
 def next_problem(plan: StepPlan, seqlens) -> StepProblem:

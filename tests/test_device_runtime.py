@@ -238,3 +238,51 @@ def test_cuda_flash_launch_equals_plain_ops():
 def test_dense_allowed_is_the_reference_mask():  # the helper the segment test mirrors
     a = dense_allowed(np.array([[0, 4, 0, 4, -1, 0]]), 4)
     assert a.sum() == 7
+
+
+# posting: a stage's sends and receives start together ----------------------------------------------
+
+class _Recording:
+    """A transport that records what the runner asks of it (data never moves: compute is off)."""
+
+    def __init__(self):
+        self.log: list = []
+
+    def post_send(self, tag, peer, tensors, flat=None):
+        self.log.append(("post", tag))
+
+    def post_recv(self, tag, peer, tensors, flat=None):
+        self.log.append(("post", tag))
+
+    def wait(self, tag):
+        self.log.append(("wait", tag))
+
+    def flush(self):
+        self.log.append(("flush",))
+
+
+@pytest.mark.parametrize("strategy", ["zigzag", "hypergraph", "ulysses"])
+def test_each_run_of_posts_is_flushed_before_the_stream_moves_on(strategy):
+    from attnplan.ir.program import OP, RECV, SEND
+    plan = attnplan.compile([300, 77, 130, 500], devices=4, heads=4, kv_heads=2, head_dim=16, strategy=strategy,
+                            block_size=64, dtype="float32")
+    ir, g, prog = plan.ir, plan.ir.graph, plan.ir.program
+    for phase in (FWD, BWD):
+        tr = _Recording()
+        r = runner.DeviceRunner(g, prog, phase, 1, {}, tr, 0.25, torch.float32, compute=False)
+        r.run()
+        ops = prog.code[phase][1][:, OP]
+        posts = ((ops == SEND) | (ops == RECV)).tolist()
+        runs = sum(1 for i, p in enumerate(posts) if p and (i == 0 or not posts[i - 1]))  # maximal runs of posts
+        got = [e[0] for e in tr.log]
+        assert got.count("post") == sum(posts) and runs > 0
+        # every post is followed by a flush before any wait: one batch per run of posts, in program order
+        pending = 0
+        for e in got:
+            if e == "post":
+                pending += 1
+            elif e == "flush":
+                pending = 0
+            else:
+                assert pending == 0, "a wait came before its posts were started"
+        assert pending == 0

@@ -268,3 +268,73 @@ def test_auto_picks_the_fastest_attention_plan_of_every_micro_batch():
                 <= other.predicted_s * (1 + 1e-12)
     with pytest.raises(StepError, match="strategy must be auto or one of"):
         parse_system("fixed{strategy=warp}")
+
+
+# ------------------------------------------------------------------ a strategy its group cannot lower
+
+@dataclass(frozen=True, slots=True)
+class _Ulysses3(StepPass):
+    """Every document on one group of 3 ranks with ``ulysses``, which cannot split 4 query heads 3 ways."""
+    name = "_ulysses3"
+
+    def apply(self, problem):
+        return build_plan(problem, self.spec(), [list(range(problem.docs))], [[0, 1, 2]], [0], ["ulysses"])
+
+
+def test_a_strategy_its_group_cannot_lower_gives_way_and_the_table_says_so():
+    from attnplan.step.compare import compare_systems, format_rows
+    p = problem([40, 30, 9, 70], 1, 3, 3)
+    c = compile_step(p, _Ulysses3())
+    assert c.plan.mb_strategy[0] != "ulysses" and c.lowered[0].strategy == c.plan.mb_strategy[0]
+    note = c.plan.info_dict()["fallback"]
+    assert "ulysses cannot run on its 3 devices" in note and f"{c.plan.mb_strategy[0]} instead" in note
+    check_execution(c)  # what runs instead still computes every document's dense attention
+    register_system(_Ulysses3)
+    try:
+        rows, _ = compare_systems(p, ["_ulysses3", "fixed"])
+    finally:
+        unregister_system("_ulysses3")
+    text = format_rows(rows, p.mesh)
+    assert "_ulysses3*" in text and "* _ulysses3: micro-batch 0: ulysses cannot run" in text
+
+
+def test_a_group_too_small_for_a_document_names_a_way_forward():
+    from attnplan.step.compare import way_forward
+    mesh = Mesh(8, 4, devices_per_node=8)
+    e1 = "fixed: document 0 (436,664 tokens) does not fit a group of 4 devices of 80 GiB (186,888 tokens at most)"
+    e2 = ("gds: document 0 (436,664 tokens) does not fit a micro-batch of at most 169,898 tokens (a CP group of 4 "
+          "devices of 80 GiB, DACP's slack 1.1)")
+    assert way_forward(e1, mesh, ["pool", "dyncp"]) == "needs cp >= 10: try pool, dyncp, --mesh dp=2,cp=16"
+    assert way_forward(e2, mesh, []).startswith("needs cp >= 11: try --mesh dp=2,cp=16")
+    assert way_forward("flexsp: something else", mesh, ["pool"]) is None
+    over = "device 0 needs 87.6 GiB in micro-batch 2 (1,435,211 tokens on 32 devices), over its cap of 80.0 GiB"
+    assert way_forward(over, mesh, ["dyncp", "flexsp"]) == "try dyncp, flexsp"
+    assert "more than the 32 devices" in way_forward(e1.replace("436,664", "9,000,000"), mesh, [])
+
+
+@st.composite
+def batches_with_a_giant(draw):
+    """A long-tailed mix plus one document of 25-50% of the batch, somewhere in it."""
+    rest = draw(st.lists(st.integers(1, 40), min_size=3, max_size=12))
+    share = draw(st.floats(0.25, 0.5))
+    giant = max(1, int(round(sum(rest) * share / (1 - share))))
+    lens = list(rest)
+    lens.insert(draw(st.integers(0, len(rest))), giant)
+    return lens, draw(st.sampled_from(MESHES))
+
+
+@settings(max_examples=30)
+@given(batches_with_a_giant(), st.sampled_from(sorted(BUILTIN)))
+def test_every_system_plans_a_batch_with_one_giant_document_or_says_why(case, system):
+    """Every system either plans (the fragments partition the batch, every micro-batch computes dense
+    attention) or refuses with its one-line reason: a document its groups cannot hold."""
+    lens, (dp, cp, per_node) = case
+    p = problem(lens, dp, cp, per_node, memory_cap=1 << 40)
+    try:
+        c = compile_step(p, system)
+    except StepError as e:
+        assert "does not fit" in str(e) and "\n" not in str(e), str(e)
+        return
+    plan = c.plan
+    assert sorted(plan.frag_doc.tolist()) == list(range(len(lens))) and not len(plan.queue_out)
+    check_execution(c)
