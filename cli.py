@@ -81,7 +81,7 @@ def _load_batch(args):
     return parse_batch_text(args.seqlens) if args.seqlens is not None else load_batch(args.batch)
 
 
-def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, a100, cpu-local, or FILE.json"):
+def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, h200, a100, cpu-local, or FILE.json"):
     """Model and machine shape options shared by compile-like commands."""
     if nodes:
         p.add_argument("--nodes", type=POSITIVE_DEVICES, default=1)
@@ -130,7 +130,7 @@ def _add_compile(sub) -> None:
     _batch_args(c)
     c.add_argument("--mask", default="causal", help="builtin name, mask expression, or FILE.mask (default: causal)")
     c.add_argument("--devices", type=POSITIVE_DEVICES, required=True, help=f"devices, 1..{limits.MAX_DEVICES}")
-    _shape_args(c, profile_help="cost profile for predicted times (h100, a100, cpu-local, or FILE.json)")
+    _shape_args(c, profile_help="cost profile for predicted times (h100, h200, a100, cpu-local, or FILE.json)")
     c.add_argument("--memory-cap", type=_int_in(1, limits.MAX_MEMORY_CAP), default=None,
                    help="bytes of buffers per device and phase")
     g = c.add_mutually_exclusive_group()
@@ -256,7 +256,8 @@ def _cmd_compile(args) -> int:
     s = plan.stats()
     print(f"wrote {where}: {s['devices']} devices, {s['tokens']} tokens, compute imbalance "
           f"{s['compute_imbalance']:.3f}, comm {s['comm_bytes_total'] / 1e6:.2f} MB, predicted "
-          f"{s['predicted_s'] * 1e3:.3f} ms, planned in {s['plan_s']:.3f} s",
+          f"{s['predicted_s'] * 1e3:.3f} ms, planned in {s['plan_s']:.3f} s"
+          + (f" ({plan.meta['strategy']})" if str(plan.meta.get("strategy", "")).startswith("auto:") else ""),
           file=summary_stream(args.output))
     return 0
 

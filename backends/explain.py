@@ -59,11 +59,18 @@ def explain(plan, device: int | None = None, profile=None, top: int = 3, data: d
     return "\n".join(out)
 
 
+def _mask_text(source: str, limit: int = 120) -> str:
+    """A mask's text on one line: its comment lines dropped, the rest joined by "; ", cut at ``limit``."""
+    lines = [x.strip() for x in source.splitlines() if x.strip() and not x.strip().startswith("#")]
+    text = "; ".join(lines)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _headline(plan, d: dict) -> str:
     ir, p = plan.ir, plan.ir.problem
     strategy = plan.meta.get("strategy") or plan.meta.get("pipeline", "")
     return (f"{strategy}: {ir.devices} devices on {ir.nodes} node(s), {p.tokens:,} tokens in {len(p.seqlens):,} "
-            f"documents, mask {p.mask.strip()!r}, {ir.graph.n_cb:,} compute blocks")
+            f"documents, mask {_mask_text(p.mask)!r}, {ir.graph.n_cb:,} compute blocks")
 
 
 # -- the device ------------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ relay holds the block before it forwards it.
 
 from __future__ import annotations
 
+import difflib
+
 import dataclasses
 from dataclasses import dataclass
 
@@ -76,7 +78,10 @@ def parse_entry(entry: str) -> tuple[str, str | None]:
     variant's comm step options or None); PlanError naming what is unknown."""
     name, _, variant = entry.partition(":")
     if name not in strategies():
-        raise PlanError(f"unknown strategy {name!r}; known: {', '.join(strategies())}")
+        close = difflib.get_close_matches(name, list(strategies()) + ["auto"], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise PlanError(f"unknown strategy {name!r}{hint}; known: {', '.join(strategies())}, auto, or "
+                        f"NAME:VARIANT with a variant of {', '.join(COMM_VARIANTS)}")
     if ":" in entry and variant not in COMM_VARIANTS:
         raise PlanError(f"unknown communication variant {variant!r} in {entry!r}; known: {', '.join(COMM_VARIANTS)}")
     return name, (COMM_VARIANTS[variant] if ":" in entry else None)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import attnplan
 from attnplan.api import check_options, default_pipeline
+from attnplan.tools.compiler import _mask_program
 from attnplan.backends.cost import get_profile, simulate
 from attnplan.backends.planfile import canonical_bytes
 from attnplan.ir import limits
@@ -86,7 +87,7 @@ def test_pruned_strategies_are_beaten_by_their_lower_bound(auto_plan):
 def auto_kwargs(seqlens, mask="causal"):
     """The checked arguments compile(strategy="auto") hands to compile_auto."""
     return dict(check_options(devices=4, block_size=256, **SHAPE), seqlens=np.asarray(seqlens, np.int64),
-                segments=None, mask=attnplan.api._mask_program(mask), verify=True, instruments=(),
+                segments=None, mask=_mask_program(mask), verify=True, instruments=(),
                 max_compute_blocks=limits.MAX_COMPUTE_BLOCKS)
 
 

@@ -266,7 +266,7 @@ def test_each_run_of_posts_is_flushed_before_the_stream_moves_on(strategy):
     from attnplan.ir.program import OP, RECV, SEND
     plan = attnplan.compile([300, 77, 130, 500], devices=4, heads=4, kv_heads=2, head_dim=16, strategy=strategy,
                             block_size=64, dtype="float32")
-    ir, g, prog = plan.ir, plan.ir.graph, plan.ir.program
+    g, prog = plan.ir.graph, plan.ir.program
     for phase in (FWD, BWD):
         tr = _Recording()
         r = runner.DeviceRunner(g, prog, phase, 1, {}, tr, 0.25, torch.float32, compute=False)

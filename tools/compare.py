@@ -12,8 +12,8 @@ comparison."""
 
 from __future__ import annotations
 
-from ..api import compile as compile_plan
-from ..api import default_pipeline
+from .compiler import compile as compile_plan
+from ..passes.default import default_pipeline
 from ..errors import AttnplanError, PlanError
 from ..passes.comm import COMM_VARIANTS, parse_entry
 

@@ -55,7 +55,7 @@ def run_rank(plan_path: str, dtype: str = "float32", seed: int = 0, check: bool 
              timeout: float = 300.0, out=sys.stdout, match: str | None = None) -> int:
     """Rank mode (see the module docstring). Returns the exit code.
     ``match``: how messages are matched (``runtime.dist.resolve_match``)."""
-    from ..api import load
+    from .compiler import load
     from ..runtime.check import DTYPES, check_size
 
     timeout = check_timeout(timeout)

@@ -22,8 +22,8 @@ from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
-from ..api import Plan
-from ..api import compile as compile_plan
+from .plan import Plan
+from .compiler import compile as compile_plan
 from ..errors import AttnplanError, PlanError
 from ..ir.limits import MAX_PREFETCH
 

@@ -114,7 +114,7 @@ from .prefetch import PlanPrefetcher
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from ..api import Plan
+    from .plan import Plan
 
 IGNORE = -100  # the label of a document's last token (no next token), as torch's cross_entropy ignores
 
@@ -270,7 +270,7 @@ class MicroBatch:
 
     def attention(self, q, k, v, **kw):
         """:func:`attnplan.attention` of this micro-batch's plan on its group."""
-        from ..api import attention
+        from .compiler import attention
         return attention(q, k, v, self.plan, self.group, **kw)
 
 
@@ -441,7 +441,7 @@ class StepLoader:
               digest: bytes) -> StepBatch:
         import torch
 
-        from ..api import Plan
+        from .plan import Plan
         from ..runtime.layout import local_index
         total = step_label_tokens(plan)
         out = []
