@@ -24,6 +24,10 @@ MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes 0..2^64-1
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--device` is not `--devices`: flags are spelled out
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, exit 2 (argparse prints usage too; we keep it short)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
