@@ -91,6 +91,16 @@ def _intersect_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
+def _meets(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Whether each piece of ``a`` shares an allowed pair with the piece ``b`` (their intersection, a
+    piece too, is not empty). Subtracting ``b`` from a piece it does not meet would only cut the piece
+    into parts: a union of many diagonals (``k - q == d | ...``) fragmented so into tens of thousands."""
+    x = a.copy()
+    x[:, [Q0, K0, LO]] = np.maximum(x[:, [Q0, K0, LO]], b[[Q0, K0, LO]])
+    x[:, [Q1, K1, HI]] = np.minimum(x[:, [Q1, K1, HI]], b[[Q1, K1, HI]])
+    return tighten(x)
+
+
 def _subtract_one(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a \\ b for every row of ``a`` against the single piece ``b`` (six disjoint parts)."""
     parts = []
@@ -270,6 +280,9 @@ class Pieces:
                 break
             hit = ((cur[:, Q0] < b[Q1]) & (b[Q0] < cur[:, Q1])
                    & (cur[:, K0] < b[K1]) & (b[K0] < cur[:, K1]))
+            if hit.any():
+                idx = np.flatnonzero(hit)
+                hit[idx[~_meets(cur[idx], b)]] = False  # boxes that overlap but share no pair are left whole
             if hit.any():
                 cur = np.concatenate([cur[~hit], _subtract_one(cur[hit], b)])
         return Pieces(np.ascontiguousarray(cur))

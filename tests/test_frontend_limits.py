@@ -308,3 +308,19 @@ def test_public_names_are_unchanged():
                                          "lower_batch", "parse_batch_text", "parse_mask", "parse_seqlens",
                                          "render"])
     assert all(getattr(fe, n) is not None for n in fe.__all__)
+
+
+def test_a_long_union_of_diagonals_stays_small_and_exact():
+    """10,000 terms ``k - q == d`` on a 300-token document: subtracting a diagonal from a piece it does not
+    meet leaves the piece whole, so the union holds one piece per distinct diagonal (it used to fragment
+    into tens of thousands and pass the work budget) and equals the brute-force evaluation."""
+    import numpy as np
+
+    from attnplan.frontend import lower_batch, parse_mask
+    rng = np.random.default_rng(0)
+    ds = rng.integers(-300, 300, 10_000).tolist()
+    pieces = lower_batch(parse_mask(" | ".join(f"k - q == {d}" for d in ds)), [300])
+    q, k = np.arange(300)[:, None], np.arange(300)[None, :]
+    want = np.isin(k - q, ds)
+    assert (pieces.to_dense(300) == want).all()
+    assert len(pieces.a) == len(set(d for d in ds if -300 < d < 300))
