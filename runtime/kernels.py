@@ -1,4 +1,9 @@
-"""Tile kernels: masked partial attention of one (q block, kv block) tile on CPU.
+"""Tile kernels: masked partial attention of one (q block, kv block) tile, call by call.
+
+On CPU tensors every call runs the CPU flash op below; on other devices (a
+GPU's fp32/fp64, or where flash-attn cannot take a call) the same calls run
+in plain tensor ops (:mod:`attnplan.runtime.mathattn`). The varlen launches
+of GPUs, and the choice between them, are :mod:`attnplan.runtime.varlen`'s.
 
 A tile is the Q rows of one token block (global rows ``[qs, qs+Sq)``) against
 the K/V rows of another (global rows ``[ks, ks+Sk)``), restricted to a set of

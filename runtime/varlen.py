@@ -18,20 +18,23 @@ is chosen per device and dtype (:func:`kernel_for`):
   plain tensor ops.
 
 Non-finite operands always take the exact float64 path of the kernels
-module. ``$ATTNPLAN_KERNEL`` (``auto``, ``cpu``, ``math``, ``varlen-ref``)
-overrides the choice (tests and the GPU check use it); ``flash`` falls back
-to ``varlen-ref`` for the rest of the process if its first launch fails,
-recorded in :data:`NOTES` (the GPU check prints it).
+module. ``$ATTNPLAN_KERNEL`` (``auto``, ``cpu``, ``math``, ``varlen-ref``,
+``flash``) overrides the choice (tests and the GPU check use it); ``flash``
+falls back to ``varlen-ref`` for the rest of the process if a launch fails
+(windowed launches alone when only those fail), recorded in :data:`NOTES`
+(the GPU check prints it).
 
 Segments. flash-attn aligns a causal or windowed band *bottom-right*: key j
 of a segment of m rows and n keys is allowed for row i iff
 ``i + (n − m) − wl ≤ j ≤ i + (n − m) + wr`` (−1: unbounded). A ``full`` call
 is the segment (−1, −1); a top-left ``causal`` call of m rows and n ≤ m
-keys is a causal square (−1, 0) of its last... first n rows plus a ``full``
+keys is a causal square (−1, 0) of its first n rows plus a ``full``
 rectangle of the rest; ``rcausal`` is the same on reversed rows and keys
 (the gather reverses them); a ``mask`` band ``lo ≤ j − i ≤ hi`` is the
-window (n − m − lo, hi − n + m) when both are ≥ 0, else it runs by
-``math``. Forward launches hold segments with distinct rows (a row of two
+window (n − m − lo, hi − n + m) when flash-attn reads it right
+(:func:`_band_window`), else it runs call by call in plain tensor ops. A
+tile's segments and launches are built once per plan (:func:`tile_plan`,
+cached under the graph and tile). Forward launches hold segments with distinct rows (a row of two
 segments is merged by the lse-difference merge); backward launches take
 every segment of a kind at once (gradients are added).
 """
