@@ -19,10 +19,10 @@ is chosen per device and dtype (:func:`kernel_for`):
 
 Non-finite operands always take the exact float64 path of the kernels
 module. ``$ATTNPLAN_KERNEL`` (``auto``, ``cpu``, ``math``, ``varlen-ref``,
-``flash``) overrides the choice (tests and the GPU check use it); ``flash``
-falls back to ``varlen-ref`` for the rest of the process if a launch fails
-(windowed launches alone when only those fail), recorded in :data:`NOTES`
-(the GPU check prints it).
+``flash``) overrides the choice (tests and the GPU check use it). If a
+flash launch fails, that launch and later ones of its kind (windowed, or all)
+run by the reference kernel, and later tiles choose ``math``; recorded in
+:data:`NOTES` (the GPU check prints it).
 
 Segments. flash-attn aligns a causal or windowed band *bottom-right*: key j
 of a segment of m rows and n keys is allowed for row i iff
@@ -142,12 +142,17 @@ def _band_window(m: int, n: int, lo: int, hi: int) -> tuple[int, int] | None:
 def launches(segs: list[Segment], rows: int, distinct: bool) -> list[list[Segment]]:
     """Segments grouped into launches: one window kind a launch and, when
     ``distinct``, no row in two segments of a launch (first fit)."""
+    if not distinct:  # one launch per window kind, in order of first appearance
+        by_kind: dict[tuple[int, int], list[Segment]] = {}
+        for s in segs:
+            by_kind.setdefault((s.wl, s.wr), []).append(s)
+        return list(by_kind.values())
     out: list[list[Segment]] = []
     used: list[np.ndarray] = []
     kinds: list[tuple[int, int]] = []
     for s in segs:
         for j, (lst, u) in enumerate(zip(out, used)):
-            if kinds[j] == (s.wl, s.wr) and not (distinct and u[s.r0:s.r1].any()):
+            if kinds[j] == (s.wl, s.wr) and not u[s.r0:s.r1].any():
                 lst.append(s)
                 u[s.r0:s.r1] = True
                 break
