@@ -54,7 +54,10 @@ def _problem_args(p) -> None:
     src.add_argument("--batch", help="batch file (JSON or JSONL) or FILE:NAME for one line of a JSONL file")
     p.add_argument("--model", default="llama3-8b", help="preset (llama3-8b, llama3-70b, qwen2.5-0.5b, qwen2.5-7b, "
                    "gpt-7b, llama-13b) or FILE.json")
-    p.add_argument("--mesh", required=True, help="dp=D,cp=C[,pp=P]")
+    p.add_argument("--mesh", required=True, help="dp=D,cp=C[,pp=P[,vp=V]]: pp pipeline stages, vp model chunks "
+                   "per stage (interleaved 1F1B)")
+    p.add_argument("--stage-layers", default=None, help="layers of every model chunk (pp x vp of them), e.g. "
+                   "9,8,8,7 (default: as even as possible)")
     p.add_argument("--nodes", type=_int_in(1, limits.MAX_MESH_DEVICES), default=None,
                    help="nodes the mesh spans (default: 8 devices a node)")
     p.add_argument("--profile", default="h100", help="cost profile: h100, h200, a100, cpu-local, or FILE.json")
@@ -129,7 +132,14 @@ def _mesh(args):
             raise StepError(f"--nodes {args.nodes}: the mesh's {probe.devices} devices do not split evenly over "
                             f"{args.nodes} nodes")
         per_node = probe.devices // args.nodes
-    return parse_mesh(args.mesh, per_node, recompute=args.recompute, memory_cap=args.memory or 0)
+    layers = ()
+    if args.stage_layers is not None:
+        if not re.fullmatch(r"\s*[0-9]{1,6}(\s*,\s*[0-9]{1,6}){0,4095}\s*", args.stage_layers):
+            raise StepError(f"--stage-layers must list layer counts separated by ',', e.g. 9,8,8,7, got "
+                            f"{args.stage_layers[:40]!r}")
+        layers = tuple(int(x) for x in args.stage_layers.split(","))
+    return parse_mesh(args.mesh, per_node, recompute=args.recompute, memory_cap=args.memory or 0,
+                      stage_layers=layers)
 
 
 def _problem(args):
@@ -204,6 +214,9 @@ def _cmd_show(args) -> int:
         print(json.dumps(to_json(loaded), indent=1))
     else:
         print(loaded.plan.to_text(limit=limits.MAX_SAMPLES))
+        if loaded.plan.problem.mesh.pp > 1 or loaded.plan.chunk_keep >= 1:
+            from .step.pipeline import build_schedule
+            print(build_schedule(loaded.plan).to_text(limit=limits.MAX_MICRO_BATCHES))
     return 0
 
 

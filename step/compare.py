@@ -46,7 +46,8 @@ def row_of(name: str, c: CompiledStep) -> dict:
     r = c.report
     return {"system": name, **{k: r[k] for k in COLUMNS[1:]}, "spec": c.plan.system, "tokens": r["tokens"],
             "tokens_queued": r["tokens_queued"], "max_slots": r["max_slots"], "info": r["info"],
-            "strategies": sorted(set(r["per_mb"]["strategy"]))}
+            "strategies": sorted(set(r["per_mb"]["strategy"])),
+            **({"bubble_ratio": r["bubble_ratio"], "schedule": r["pipeline"]["schedule"]} if "pipeline" in r else {})}
 
 
 def compare_systems(problem: StepProblem, names, progress=None) -> tuple[list[dict], dict[str, CompiledStep]]:
@@ -94,8 +95,12 @@ def way_forward(error: str, mesh, planned: list[str]) -> str | None:
 
 
 def format_rows(rows: list[dict], mesh=None) -> str:
+    """The comparison table; with a pipeline (any row with a schedule) a ``bubble`` column: the share of
+    the compute span a stage idles, averaged over stages."""
+    pipe = any("bubble_ratio" in r for r in rows)
     head = (f"{'system':<14} {'mb':>4} {'step ms':>9} {'bound ms':>9} {'step/LB':>7} {'DP imb':>6} "
-            f"{'grad ms':>7} {'peak GiB':>8} {'cap':>5} {'plan s':>6} {'vs fixed':>8}")
+            + (f"{'bubble':>6} " if pipe else "")
+            + f"{'grad ms':>7} {'peak GiB':>8} {'cap':>5} {'plan s':>6} {'vs fixed':>8}")
     lines = [head]
     planned = [r["system"] for r in rows if "error" not in r]
     notes = []
@@ -111,6 +116,7 @@ def format_rows(rows: list[dict], mesh=None) -> str:
         name = r["system"] + ("*" if fallback else "")
         lines.append(f"{name:<14} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
                      f"{r['lower_bound_s'] * 1e3:>9.1f} {r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} "
-                     f"{r['exposed_grad_s'] * 1e3:>7.1f} {r['peak_memory_bytes'] / 2**30:>8.1f} "
+                     + (f"{r.get('bubble_ratio', 0.0):>6.1%} " if pipe else "")
+                     + f"{r['exposed_grad_s'] * 1e3:>7.1f} {r['peak_memory_bytes'] / 2**30:>8.1f} "
                      f"{r['memory_cap_bytes'] / 2**30:>5.0f} {r['plan_s']:>6.2f} {vs:>8}")
     return "\n".join(lines + notes)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from .base import StepPass, parse_system
 from .ir import StepPlan, StepProblem
 from .lower import Lowered, lower_or_fall_back
+from .pipeline import build_schedule, verify_schedule
+from .pipesim import mb_parts, simulate_pipeline, stage_memory
 from .simulate import memory, simulate_step
 from .verify import verify_lowered, verify_plan
 
@@ -28,6 +30,11 @@ class CompiledStep:
     measured: dict = field(default_factory=dict)
 
 
+def pipelined(plan: StepPlan) -> bool:
+    """Whether the step runs on a pipeline schedule: stages (``pp > 1``) or chunks carrying KV."""
+    return plan.problem.mesh.pp > 1 or plan.chunk_keep >= 1
+
+
 def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify: bool = True) -> CompiledStep:
     """Plan ``problem`` with ``system`` (a name, ``name{opt=value}`` text or a pass), lower, verify, simulate."""
     t0 = time.perf_counter()
@@ -36,10 +43,16 @@ def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify:
     if verify:
         verify_plan(plan)
     plan, lowered = lower_or_fall_back(plan)  # a strategy its group cannot lower gives way to one that can
-    peak, peak_mb = memory(plan, lowered)
+    if pipelined(plan):
+        sch = build_schedule(plan)
+        if verify:
+            verify_schedule(plan, sch)
+        peak, peak_mb = stage_memory(plan, sch, mb_parts(plan, lowered), lowered)
+    else:
+        peak, peak_mb = memory(plan, lowered)
     if verify:
         verify_lowered(plan, lowered, peak, peak_mb, problem.cap)
-    report = simulate_step(plan, lowered)
+    report = simulate_pipeline(plan, lowered, sch) if pipelined(plan) else simulate_step(plan, lowered)
     plan_s = time.perf_counter() - t0
     report["plan_s"] = plan_s
     return CompiledStep(plan, tuple(lowered), report, {"plan_s": plan_s})

@@ -18,7 +18,14 @@ A step plan says, for one optimizer step,
 * which documents wait for a later step (``queue_out``, WLB-LLM's outlier
   queue): state carried between steps is an explicit input
   (``StepProblem.carried``) and output, so a plan is a pure function of
-  its inputs.
+  its inputs;
+* whether documents are cut into **chunks** that carry their KV between
+  micro-batches (ChunkFlow, ``chunk_keep = K ≥ 1``): a document's fragments
+  then run in order, each a micro-batch of its own after the first, whose
+  attention is its rows × every earlier key of the document; the pipeline
+  schedule (:mod:`attnplan.step.pipeline`) keeps the activations of the
+  last ``K`` chunks of a document and recomputes the others' forward before
+  their backward. ``chunk_keep = 0``: every document is one fragment.
 
 The verifier (:mod:`attnplan.step.verify`) checks the invariants.
 """
@@ -112,6 +119,7 @@ class StepPlan:
     group_ranks: np.ndarray
     queue_out: np.ndarray = field(default_factory=lambda: _frozen([]))
     info: tuple = ()   # (key, value) pairs a system reports (context length, solver gap, ...)
+    chunk_keep: int = 0  # ChunkFlow's K: documents may be cut into chunks carrying their KV (0: never cut)
 
     def __post_init__(self):
         for name in ("frag_doc", "frag_start", "frag_end", "frag_mb", "mb_group", "mb_slot", "group_ptr",
@@ -136,6 +144,16 @@ class StepPlan:
     def mb_ptr(self) -> np.ndarray:
         """CSR offsets of each micro-batch's fragments (fragments are listed micro-batch by micro-batch)."""
         return np.searchsorted(self.frag_mb, np.arange(self.n_mb + 1), "left").astype(np.int64)
+
+    def mb_prefix(self, m: int) -> int:
+        """Keys before micro-batch ``m``'s rows: the start of its one fragment when that fragment is a
+        later chunk of a document (its attention reads the document's earlier KV), else 0."""
+        p = self.mb_ptr()
+        f = int(p[m])
+        return int(self.frag_start[f]) if p[m + 1] - f == 1 else 0
+
+    def n_slots(self) -> int:
+        return int(self.mb_slot.max()) + 1 if self.n_mb else 0
 
     def mb_seqlens(self, m: int) -> tuple[int, ...]:
         """Sample lengths of micro-batch ``m``'s attention problem, in order."""

@@ -24,6 +24,7 @@ from ..backends.cost import Profile, cb_seconds, get_profile, launches, simulate
 from ..errors import BatchError, PlanError, StepError
 from ..frontend import MaskProgram, load_mask, lower_batch
 from ..ir.limits import MAX_SAMPLES, MAX_TOKENS
+from ..ir.mask import HI, INF, K0, K1, LO, Q0, Q1, Pieces
 from ..ir.module import PlanIR
 from ..ir.problem import Problem
 from ..ir.program import BBYTES, BWD, FWD
@@ -77,26 +78,28 @@ class AttentionCache:
         self._best: dict[tuple, Lowered] = {}
         self.compiles = 0
 
-    def get(self, lens: tuple[int, ...], devices: int, nodes: int, strategy: str, heads: tuple[int, int, int]
-            ) -> Lowered:
-        key = (lens, devices, nodes, strategy, heads)
+    def get(self, lens: tuple[int, ...], devices: int, nodes: int, strategy: str, heads: tuple[int, int, int],
+            prefix: int = 0) -> Lowered:
+        key = (lens, devices, nodes, strategy, heads, prefix)
         hit = self._plans.get(key)
         if hit is not None:
             return hit
         if key in self._failed:
             raise self._failed[key]
         try:
-            out = self._lower(lens, devices, nodes, strategy, heads)
+            out = self._lower(lens, devices, nodes, strategy, heads, prefix)
         except PlanError as e:
             self._failed[key] = e
             raise
         self._plans[key] = out
         return out
 
-    def _place(self, lens, devices, nodes, strategy, heads) -> PlanIR:
+    def _place(self, lens, devices, nodes, strategy, heads, prefix: int = 0) -> PlanIR:
         """The micro-batch tiled and placed by ``strategy`` (the first two passes of the pipeline),
-        kept until the rest of the pipeline runs on it."""
-        key = (lens, devices, nodes, strategy, heads)
+        kept until the rest of the pipeline runs on it. ``prefix > 0``: the micro-batch is one later chunk
+        of a document, rows ``[prefix, prefix + lens[0])`` of it, attending to every key up to its end
+        (:func:`chunk_problem`)."""
+        key = (lens, devices, nodes, strategy, heads, prefix)
         hit = self._placed.get(key)
         if hit is not None:
             return hit
@@ -105,8 +108,11 @@ class AttentionCache:
         if strategy not in strategies():
             raise StepError(f"unknown attention strategy {strategy!r}; known: {', '.join(strategies())}")
         h, hkv, d = heads
-        problem = Problem(seqlens=np.asarray(lens, np.int64), heads=h, kv_heads=hkv, head_dim=d,
-                          pieces=lower_batch(self.mask, list(lens)), mask=self.mask.source)
+        if prefix:
+            problem = chunk_problem(self.mask, prefix, lens, heads)
+        else:
+            problem = Problem(seqlens=np.asarray(lens, np.int64), heads=h, kv_heads=hkv, head_dim=d,
+                              pieces=lower_batch(self.mask, list(lens)), mask=self.mask.source)
         passes = parse_pipeline(pipeline_text(strategy, self.block_size))[:2]
         try:
             ir = self._placed[key] = run_pipeline(PlanIR(problem, devices, nodes), passes)
@@ -115,81 +121,135 @@ class AttentionCache:
             raise
         return ir
 
-    def _lower(self, lens, devices, nodes, strategy, heads) -> Lowered:
-        placed = self._place(lens, devices, nodes, strategy, heads)
+    def _lower(self, lens, devices, nodes, strategy, heads, prefix: int = 0) -> Lowered:
+        placed = self._place(lens, devices, nodes, strategy, heads, prefix)
         self.compiles += 1
         ir = run_pipeline(placed, parse_pipeline(pipeline_text(strategy, self.block_size))[2:])
-        self._placed.pop((lens, devices, nodes, strategy, heads), None)
+        self._placed.pop((lens, devices, nodes, strategy, heads, prefix), None)
         sim = simulate(ir, self.profile)
-        g, pl, prog = ir.need_graph(), ir.need_placement(), ir.need_program()
-        tokens = np.bincount(pl.home, weights=g.tb_len, minlength=devices).astype(np.int64)
+        g, prog = ir.need_graph(), ir.need_program()
+        tokens = query_tokens(ir, devices)
         buffers = np.array([max(int(prog.buffers[FWD][i][:, BBYTES].sum()), int(prog.buffers[BWD][i][:, BBYTES].sum()))
                             for i in range(devices)], dtype=np.int64)
         return Lowered(ir, strategy, tokens, np.asarray(sim["fwd"]["finish_s"]), np.asarray(sim["bwd"]["finish_s"]),
                        np.asarray(sim["fwd"]["compute_s"]), np.asarray(sim["bwd"]["compute_s"]), buffers,
                        int(g.cb_pairs.sum()))
 
-    def bound(self, lens, devices, nodes, strategy, heads) -> float:
+    def bound(self, lens, devices, nodes, strategy, heads, prefix: int = 0) -> float:
         """A lower bound of ``strategy``'s predicted attention time, from its placement alone: the busiest
         device's compute (tile rounding and launches included), forward and backward, no communication."""
-        ir = self._place(lens, devices, nodes, strategy, heads)
+        ir = self._place(lens, devices, nodes, strategy, heads, prefix)
         dev, prof = ir.need_placement().cb_device, self.profile
         compute = np.bincount(dev, weights=cb_seconds(ir.need_graph(), prof, launch=False), minlength=devices)
         per = compute + prof.launch_s * launches(np.bincount(dev, minlength=devices), prof).astype(np.float64)
         return float(per.max()) * (1.0 + self.profile.bwd_factor)
 
-    def best(self, lens, devices, nodes, candidates, heads, bounds: dict | None = None) -> Lowered:
+    def best(self, lens, devices, nodes, candidates, heads, bounds: dict | None = None, prefix: int = 0
+             ) -> Lowered:
         """The candidate strategy with the lowest predicted attention time (ties: the first listed). A
         candidate whose :meth:`bound` (or ``bounds[name]``) is no better than the best so far is not lowered.
         The choice is memoized: equal micro-batches choose once."""
-        memo = (lens, devices, nodes, tuple(candidates), heads)
+        memo = (lens, devices, nodes, tuple(candidates), heads, prefix)
         if memo in self._best:
             return self._best[memo]
         best, errors = None, []
         for s in candidates:
-            key = (lens, devices, nodes, s, heads)
+            key = (lens, devices, nodes, s, heads, prefix)
             try:
                 if best is not None and key not in self._plans and (
-                        bounds[s] if bounds and s in bounds else self.bound(lens, devices, nodes, s, heads)
+                        bounds[s] if bounds and s in bounds else self.bound(lens, devices, nodes, s, heads, prefix)
                 ) >= best.predicted_s:
                     continue
-                low = self.get(lens, devices, nodes, s, heads)
+                low = self.get(lens, devices, nodes, s, heads, prefix)
             except PlanError as e:
                 errors.append(f"{s}: {str(e).splitlines()[0]}")
                 continue
             if best is None or low.predicted_s < best.predicted_s:
                 best = low
         for s in candidates:  # placements kept for bounds only
-            self._placed.pop((lens, devices, nodes, s, heads), None)
+            self._placed.pop((lens, devices, nodes, s, heads, prefix), None)
         if best is None:
             raise PlanError("no attention strategy can take the micro-batch: " + "; ".join(errors))
         self._best[memo] = best
         return best
 
 
-    def auto(self, lens, devices, nodes, heads) -> Lowered:
+    def auto(self, lens, devices, nodes, heads, prefix: int = 0) -> Lowered:
         """Every registered strategy that can take the micro-batch, lowered best bound first until the next
         bound cannot beat the best predicted time (the step layer's ``compile(strategy="auto")``)."""
         bounds = {}
         for s in strategies():
             try:
-                bounds[s] = self.bound(lens, devices, nodes, s, heads)
+                bounds[s] = self.bound(lens, devices, nodes, s, heads, prefix)
             except PlanError:
                 continue
         order = sorted(bounds, key=lambda s: (bounds[s], s))
-        return self.best(lens, devices, nodes, order or list(strategies()), heads, bounds)
+        return self.best(lens, devices, nodes, order or list(strategies()), heads, bounds, prefix)
 
 
 def choose_strategy(problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarray, option: str,
-                    adaptive: tuple[str, ...] = ()) -> str:
+                    adaptive: tuple[str, ...] = (), prefix: int = 0) -> str:
     """The attention strategy of one micro-batch for a system's option: a strategy name as is;
-    ``adaptive``: the faster of the system's ``adaptive`` candidates; ``auto``: the fastest of all."""
+    ``adaptive``: the faster of the system's ``adaptive`` candidates; ``auto``: the fastest of all.
+    ``prefix``: the micro-batch is a later chunk of a document (:meth:`AttentionCache._place`)."""
     if option not in ("adaptive", "auto"):
         return option
     cache, nodes = cache_of(problem), group_nodes(problem.mesh, ranks)
     if option == "auto":
-        return cache.auto(lens, len(ranks), nodes, heads_of(problem)).strategy
-    return cache.best(lens, len(ranks), nodes, adaptive, heads_of(problem)).strategy
+        return cache.auto(lens, len(ranks), nodes, heads_of(problem), prefix).strategy
+    return cache.best(lens, len(ranks), nodes, adaptive, heads_of(problem), prefix=prefix).strategy
+
+
+def chunk_pieces(mask: MaskProgram, prefix: int, rows: int) -> Pieces:
+    """The mask of rows ``[prefix, prefix + rows)`` of a document of ``prefix + rows`` tokens against all of
+    its keys, as one cross-attention sample: queries ``0 .. rows-1`` (row ``prefix + i`` is query ``i``),
+    then keys ``rows .. rows + prefix + rows - 1`` (key ``k`` is at ``rows + k``): ``k - q`` moves by the
+    document's length."""
+    end = prefix + rows
+    a = mask.lower(end).clip(prefix, end, 0, end).a.copy()
+    a[:, [Q0, Q1]] -= prefix
+    a[:, [K0, K1]] += rows
+    for col in (LO, HI):
+        bounded = np.abs(a[:, col]) < INF // 2
+        a[bounded, col] += end
+    return Pieces.of(a)
+
+
+def chunk_problem(mask: MaskProgram, prefix: int, lens: tuple[int, ...], heads: tuple[int, int, int]) -> Problem:
+    """A later chunk's attention problem: one cross-attention sample, its ``lens[0]`` rows × the document's
+    ``prefix + lens[0]`` keys (:func:`chunk_pieces`); the keys of earlier chunks come from their KV."""
+    if len(lens) != 1:
+        raise StepError(f"a chunk that reads earlier KV is one sample, got {len(lens)}")
+    rows = int(lens[0])
+    h, hkv, d = heads
+    return Problem(seqlens=np.array([2 * rows + prefix], np.int64), heads=h, kv_heads=hkv, head_dim=d,
+                   pieces=chunk_pieces(mask, prefix, rows), mask=mask.source, q_lens=np.array([rows], np.int64))
+
+
+def query_tokens(ir: PlanIR, devices: int) -> np.ndarray:
+    """Query tokens homed on every device (a cross sample's key tokens are KV only: no linear work)."""
+    g, pl = ir.need_graph(), ir.need_placement()
+    if not ir.problem.is_cross:
+        return np.bincount(pl.home, weights=g.tb_len, minlength=devices).astype(np.int64)
+    q = ir.problem.query_index()
+    inside = np.searchsorted(q, g.tb_end, "left") - np.searchsorted(q, g.tb_start, "left")
+    if g.tb_ptr is not None:
+        starts, ends = g.span_start, g.span_end
+        per_span = np.searchsorted(q, ends, "left") - np.searchsorted(q, starts, "left")
+        inside = np.add.reduceat(per_span, g.tb_ptr[:-1]) if len(per_span) else inside
+    return np.bincount(pl.home, weights=inside, minlength=devices).astype(np.int64)
+
+
+def frag_pairs(problem: StepProblem, plan: StepPlan) -> np.ndarray:
+    """Allowed (q, k) pairs of every fragment: its rows of its document × the document's keys."""
+    p = problem
+    out = p.pairs[plan.frag_doc].copy()
+    part = np.flatnonzero((plan.frag_start > 0) | (plan.frag_end < p.seqlens[plan.frag_doc]))
+    mask = cache_of(p).mask
+    for f in part.tolist():
+        end = int(plan.frag_end[f])
+        out[f] = mask.lower(end).clip(int(plan.frag_start[f]), end, 0, end).pair_count()
+    return out
 
 
 def check_option(system: str, key: str, value: str, adaptive: bool) -> None:
@@ -221,9 +281,8 @@ def make_problem(seqlens, model="llama3-8b", mesh: Mesh | None = None, profile="
         raise StepError("a step needs a mesh, e.g. Mesh(dp=4, cp=8)")
     if not isinstance(mesh, Mesh):
         raise StepError(f"mesh must be an attnplan.step.Mesh, got {type(mesh).__name__}")
-    if mesh.pp > 1:
-        raise StepError(f"pipeline parallelism (pp={mesh.pp}) is not simulated yet: plan one stage (pp=1)")
     mdl: Model = load_model(model)
+    mesh.chunk_layers(mdl.layers)  # the model's layers fill the pipeline's model chunks (StepError otherwise)
     prof = get_profile(profile)
     prog = mask if isinstance(mask, MaskProgram) else load_mask(mask)
     if prog.uses_heads:
@@ -291,7 +350,7 @@ def lower_mb(plan: StepPlan, m: int) -> Lowered:
     p = plan.problem
     ranks = plan.mb_ranks(m)
     return cache_of(p).get(plan.mb_seqlens(m), len(ranks), group_nodes(p.mesh, ranks), plan.mb_strategy[m],
-                           heads_of(p))
+                           heads_of(p), plan.mb_prefix(m))
 
 
 def lower_step(plan: StepPlan) -> list[Lowered]:
@@ -321,7 +380,8 @@ def lower_or_fall_back(plan: StepPlan) -> tuple[StepPlan, list[Lowered]]:
         except PlanError as e:
             first = str(e).splitlines()[0]
         try:
-            low = cache_of(p).auto(plan.mb_seqlens(m), len(ranks), group_nodes(p.mesh, ranks), heads_of(p))
+            low = cache_of(p).auto(plan.mb_seqlens(m), len(ranks), group_nodes(p.mesh, ranks), heads_of(p),
+                                   plan.mb_prefix(m))
         except PlanError:
             raise PlanError(f"micro-batch {m} ({plan.mb_strategy[m]} on {len(ranks)} devices): {first}") from None
         why = first.split(": use ")[0].split("; ")[0]

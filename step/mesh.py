@@ -1,7 +1,15 @@
 """The device mesh of a training step: ``dp`` data-parallel × ``cp``
-context-parallel (× ``pp`` pipeline) devices, ``devices_per_node`` to a node,
+context-parallel × ``pp`` pipeline devices, ``devices_per_node`` to a node,
 each with the memory of its cost profile (H100 80 GB, H200 141 GB, A100 80 GB;
 ``memory_cap`` overrides it).
+
+With ``pp > 1`` the model's layers are cut into ``pp · vp`` *model chunks*
+(``vp`` virtual stages per pipeline rank, Megatron-LM's interleaved
+schedule): chunk ``c`` runs on pipeline stage ``c mod pp``, so stage ``s``
+holds chunks ``s, s + pp, ...``. ``stage_layers`` gives the layers of every
+chunk in pipeline order (empty: as even as possible, the first chunks one
+layer more); the first chunk also holds the embedding, the last the output
+layer.
 
 Ranks are numbered as Megatron-LM orders its groups with TP = 1: context
 parallelism innermost, then data parallelism, then pipeline stages — rank
@@ -21,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import StepError
-from ..ir.limits import MAX_DEVICES, MAX_MEMORY_CAP, MAX_MESH_DEVICES
+from ..ir.limits import MAX_DEVICES, MAX_LAYERS, MAX_MEMORY_CAP, MAX_MESH_DEVICES
 from .model import RECOMPUTE
 
 
@@ -34,10 +42,12 @@ class Mesh:
     memory_cap: int = 0        # bytes per device; 0 = the profile's memory
     recompute: str = "full"    # activation recompute: "full" (every layer's input kept) or "none"
     reserve: int = 1 << 30     # bytes per device the planner never counts on (CUDA context, NCCL, fragmentation)
+    vp: int = 1                # virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B when > 1
+    stage_layers: tuple = ()   # layers of every model chunk (pp · vp of them), pipeline order; () = even
 
     def __post_init__(self):
         for key, hi in (("dp", MAX_MESH_DEVICES), ("cp", MAX_DEVICES), ("pp", MAX_MESH_DEVICES),
-                        ("devices_per_node", MAX_MESH_DEVICES)):
+                        ("devices_per_node", MAX_MESH_DEVICES), ("vp", MAX_LAYERS)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= hi:
                 raise StepError(f"mesh: {key} must be an integer in 1..{hi:,} (ir/limits.py), got {v!r:.40}")
@@ -51,6 +61,9 @@ class Mesh:
                 raise StepError(f"mesh: {key} must be an integer number of bytes in 0..{MAX_MEMORY_CAP:,}, "
                                 f"got {v!r:.40}")
             object.__setattr__(self, key, int(v))
+        if self.vp > 1 and self.pp == 1:
+            raise StepError(f"mesh: vp={self.vp} virtual stages need a pipeline (pp > 1)")
+        object.__setattr__(self, "stage_layers", _stage_layers(self.stage_layers, self.pp * self.vp))
         if self.recompute not in RECOMPUTE:
             raise StepError(f"mesh: recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r:.40}")
         n, k = self.stage_devices, self.devices_per_node
@@ -72,6 +85,24 @@ class Mesh:
     def nodes(self) -> int:
         return max(1, -(-self.devices // self.devices_per_node))
 
+    @property
+    def chunks(self) -> int:
+        """Model chunks: ``pp · vp``."""
+        return self.pp * self.vp
+
+    def chunk_layers(self, layers: int) -> tuple[int, ...]:
+        """Layers of every model chunk for a model of ``layers`` layers (StepError when they do not add up)."""
+        n = self.chunks
+        if self.stage_layers:
+            if sum(self.stage_layers) != layers:
+                raise StepError(f"mesh: stage_layers {list(self.stage_layers)[:16]} add up to "
+                                f"{sum(self.stage_layers)} layers, the model has {layers}")
+            return self.stage_layers
+        if layers < n:
+            raise StepError(f"mesh: {layers} layers cannot fill pp x vp = {n} model chunks")
+        q, r = divmod(layers, n)
+        return tuple(q + (c < r) for c in range(n))
+
     def node_of(self, ranks) -> np.ndarray:
         return np.asarray(ranks, np.int64) // self.devices_per_node
 
@@ -85,24 +116,34 @@ class Mesh:
 
     def spec(self) -> str:
         text = f"dp={self.dp},cp={self.cp}"
-        return text + (f",pp={self.pp}" if self.pp > 1 else "")
+        return text + (f",pp={self.pp}" if self.pp > 1 else "") + (f",vp={self.vp}" if self.vp > 1 else "")
 
 
-_SPEC = re.compile(r"\s*(dp|cp|pp)\s*=\s*([0-9]{1,12})\s*")
+def _stage_layers(v, chunks: int) -> tuple:
+    if v is None or (isinstance(v, (tuple, list)) and not len(v)):
+        return ()
+    if not isinstance(v, (tuple, list)) or len(v) != chunks or any(
+            isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 1 <= x <= MAX_LAYERS for x in v):
+        raise StepError(f"mesh: stage_layers must list {chunks} positive layer counts (one per model chunk, "
+                        f"pp x vp), got {v!r:.60}")
+    return tuple(int(x) for x in v)
+
+
+_SPEC = re.compile(r"\s*(dp|cp|pp|vp)\s*=\s*([0-9]{1,12})\s*")
 
 
 def parse_mesh(text: str, devices_per_node: int = 8, **kw) -> Mesh:
-    """``"dp=4,cp=8[,pp=1]"`` → :class:`Mesh` (StepError naming the bad part)."""
+    """``"dp=4,cp=8[,pp=2[,vp=2]]"`` → :class:`Mesh` (StepError naming the bad part)."""
     if not isinstance(text, str) or not text.strip() or len(text) > 200:
-        raise StepError("mesh must be text like dp=4,cp=8 (optionally ,pp=2)")
+        raise StepError("mesh must be text like dp=4,cp=8 (optionally ,pp=2 and ,vp=2)")
     seen: dict[str, int] = {}
     for part in text.split(","):
         m = _SPEC.fullmatch(part)
         if not m:
-            raise StepError(f"mesh {text[:60]!r}: cannot read {part.strip()[:30]!r}; expected dp=D,cp=C[,pp=P]")
+            raise StepError(f"mesh {text[:60]!r}: cannot read {part.strip()[:30]!r}; expected dp=D,cp=C[,pp=P][,vp=V]")
         if m.group(1) in seen:
             raise StepError(f"mesh {text[:60]!r}: {m.group(1)} is given twice")
         seen[m.group(1)] = int(m.group(2))
     if "dp" not in seen or "cp" not in seen:
         raise StepError(f"mesh {text[:60]!r}: give both dp and cp, e.g. dp=4,cp=8")
-    return Mesh(seen["dp"], seen["cp"], seen.get("pp", 1), devices_per_node, **kw)
+    return Mesh(seen["dp"], seen["cp"], seen.get("pp", 1), devices_per_node, vp=seen.get("vp", 1), **kw)

@@ -203,6 +203,25 @@ def static_bytes(m: Model, shards: int) -> int:
     return (PARAM_BYTES + GRAD_BYTES) * p + -(-OPTIMIZER_BYTES * p // shards)
 
 
+def stage_param_count(m: Model, layers: int, first: bool, last: bool) -> int:
+    """Parameters of one pipeline stage holding ``layers`` layers: the embedding on the first stage, the
+    output layer (a copy of the embedding when tied, as Megatron-LM keeps one) and the final norm on the
+    last."""
+    return layers * layer_params(m) + m.vocab * m.hidden * (int(first) + int(last)) + m.hidden * int(last)
+
+
+def stage_static_bytes(m: Model, layers: int, first: bool, last: bool, shards: int) -> int:
+    """:func:`static_bytes` of one pipeline stage (its parameters only, optimizer states over ``shards``)."""
+    p = stage_param_count(m, layers, first, last)
+    return (PARAM_BYTES + GRAD_BYTES) * p + -(-OPTIMIZER_BYTES * p // shards)
+
+
+def kv_bytes(m: Model) -> int:
+    """Bytes per token per layer of K and V (bf16), what a chunk keeps for the later chunks of its
+    document (ChunkFlow's state store); their gradients take as much again."""
+    return 2 * ACT_BYTES * m.kv_heads * m.head_dim
+
+
 # ---------------------------------------------------------------------------------------- loading
 
 def model_from_dict(data, source: str) -> Model:

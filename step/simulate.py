@@ -133,6 +133,18 @@ def memory(plan: StepPlan, lowered: list[Lowered]) -> tuple[np.ndarray, np.ndarr
     return peak + base, which
 
 
+def step_flops_s(plan: StepPlan) -> float:
+    """Seconds of all the step's FLOPs at the effective peak on one device: linear and output layer per
+    token, attention per allowed pair of every computed document (a document cut into chunks counts
+    once: its chunks' rows partition it), forward, backward and the mesh's recompute."""
+    p = plan.problem
+    r = rates(p)
+    fl, fa = work_factors(p)
+    tokens = int(plan.frag_len.sum())
+    return (tokens * (p.model.layers * fl * r["lin"] + (1.0 + LINEAR_BWD_FACTOR) * r["head"])
+            + int(p.pairs[np.unique(plan.frag_doc)].sum()) * p.model.layers * fa * r["pair"])
+
+
 def simulate_step(plan: StepPlan, lowered: list[Lowered]) -> dict:
     """The step's timeline and report (see the module doc): ``step_s``, ``lower_bound_s``,
     ``step_over_lower_bound``, per-rank busy and end times, ``dp_imbalance`` (max/mean busy),
@@ -162,13 +174,8 @@ def simulate_step(plan: StepPlan, lowered: list[Lowered]) -> dict:
     rest = ring_seconds((param_count(model) - model.layers * layer_params(model) - output) * GRAD_BYTES, n, spans,
                         prof)
     step = grad_reduce(clock, last_bwd, model.layers, first, bucket, rest)
-    computed = plan.frag_doc
-    r = rates(p)
-    fl, fa = work_factors(p)
     tokens = int(plan.frag_len.sum())
-    flops_s = (tokens * (model.layers * fl * r["lin"] + (1.0 + LINEAR_BWD_FACTOR) * r["head"])
-               + int(p.pairs[computed].sum()) * model.layers * fa * r["pair"])
-    lower = flops_s / n
+    lower = step_flops_s(plan) / n
     peak, peak_mb = memory(plan, lowered)
     mean_busy = float(busy.mean())
     return {

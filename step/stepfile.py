@@ -44,6 +44,7 @@ from .driver import CompiledStep
 from .ir import StepPlan
 from .lower import cache_of, make_problem, pipeline_text
 from .mesh import Mesh
+from .pipeline import build_schedule
 from .model import model_from_dict
 from .verify import verify_attention, verify_plan
 
@@ -92,7 +93,8 @@ def to_body(c: CompiledStep) -> dict:
                     "mask": cache_of(p).mask.source, "block_size": p.block_size,
                     "packing": None if p.packing is None else _arr(p.packing)},
         "plan": {"system": plan.system, **{k: _arr(getattr(plan, k)) for k in PLAN_COLUMNS},
-                 "mb_strategy": list(plan.mb_strategy), "info": [[str(k), v] for k, v in plan.info]},
+                 "mb_strategy": list(plan.mb_strategy), "info": [[str(k), v] for k, v in plan.info],
+                 "chunk_keep": plan.chunk_keep},
         "attention": files,
         "mb_attention": _arr(index),
     }
@@ -197,7 +199,7 @@ def from_body(body: dict, source: str) -> LoadedStep:
             raise _fail(source, "malformed step file: problem.carried, origin or step out of range")
         model = model_from_dict(_get(pb, "model", dict, "problem", source), f"{source}: problem.model")
         md = _get(pb, "mesh", dict, "problem", source)
-        if set(md) != {f.name for f in fields(Mesh)}:
+        if not set(md) <= {f.name for f in fields(Mesh)} or not {"dp", "cp", "pp"} <= set(md):
             raise _fail(source, "malformed step file: problem.mesh has the wrong fields")
         mesh = Mesh(**md)
         prof = pb.get("profile")
@@ -212,13 +214,16 @@ def from_body(body: dict, source: str) -> LoadedStep:
             raise _fail(source, "malformed step file: problem.origin does not match the step's documents")
         strategies = _get(qb, "mb_strategy", list, "plan", source)
         info = _get(qb, "info", list, "plan", source)
+        keep = qb.get("chunk_keep", 0)
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= L.MAX_MICRO_BATCHES:
+            raise _fail(source, "malformed step file: plan.chunk_keep must be a count of chunks")
         if not all(isinstance(s, str) for s in strategies) or not all(
                 isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
                 and isinstance(i[1], (int, float, str)) for i in info):
             raise _fail(source, "malformed step file: plan.mb_strategy or plan.info has the wrong types")
         plan = StepPlan(problem, _get(qb, "system", str, "plan", source),
                         **{k: _array(qb, k, "plan", source) for k in PLAN_COLUMNS},
-                        mb_strategy=tuple(strategies), info=tuple((k, v) for k, v in info))
+                        mb_strategy=tuple(strategies), info=tuple((k, v) for k, v in info), chunk_keep=keep)
         verify_plan(plan)
         files = _get(body, "attention", list, "body", source)
         index = _array(body, "mb_attention", "body", source)
@@ -267,6 +272,17 @@ def read_file(path) -> LoadedStep:
     return unpack(data, source)
 
 
+def schedule_json(plan: StepPlan) -> dict | None:
+    """The pipeline schedule of a plan that runs on one (stages or chunks), per stage its ops in order as
+    ``[unit (slot), model chunk, "F" | "B"]``; None otherwise."""
+    if plan.problem.mesh.pp == 1 and plan.chunk_keep < 1:
+        return None
+    sch = build_schedule(plan)
+    return {"kind": sch.kind, "stages": sch.stages, "vp": sch.vp, "recompute_units": np.flatnonzero(
+        sch.recompute).tolist(), "ops": [[[int(sch.op_unit[i]), int(sch.op_chunk[i]), "FB"[int(sch.op_kind[i])]]
+                                          for i in sch.stage_ops(s)] for s in range(sch.stages)]}
+
+
 def to_json(loaded: LoadedStep) -> dict:
     """``plan step show --json``: every micro-batch with its slot, ranks, strategy and fragments."""
     plan = loaded.plan
@@ -275,6 +291,7 @@ def to_json(loaded: LoadedStep) -> dict:
     return {
         "system": plan.system, "model": p.model.name, "mesh": p.mesh.spec(), "tokens": p.tokens, "documents": p.docs,
         "carried": p.carried, "queue_out": plan.queue_out.tolist(), "info": dict(plan.info),
+        "chunk_keep": plan.chunk_keep, "schedule": schedule_json(plan),
         "micro_batches": [{"mb": m, "slot": int(plan.mb_slot[m]), "ranks": plan.mb_ranks(m).tolist(),
                            "strategy": plan.mb_strategy[m],
                            "fragments": [[int(plan.frag_doc[f]), int(plan.frag_start[f]), int(plan.frag_end[f])]

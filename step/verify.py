@@ -8,9 +8,11 @@
    one, and each is a non-empty range ``[start, end)`` inside its document.
 3. Every token of the step is in exactly one micro-batch or the document is
    queued for a later step (``queue_out``, each at most once, then without
-   fragments). Splitting a document over several fragments needs the KV
-   state carried between micro-batches (ChunkFlow, next issue): this issue
-   refuses it, so every computed document is one fragment.
+   fragments). A document is one fragment unless the plan carries KV
+   between chunks (``chunk_keep ≥ 1``, ChunkFlow); then its fragments tile
+   it in order, each in a strictly later slot than the one before, and every
+   fragment but the first is its micro-batch's only fragment (its attention
+   is a cross problem: its rows × the document's keys up to its end).
 4. Groups: ranks of the stage, no rank twice, sorted, node-aligned (every node
    a group touches gives it the same number of devices, so the attention
    plan's nodes are the mesh's), at most ``MAX_DEVICES`` ranks.
@@ -33,7 +35,7 @@ from ..errors import MemoryCapError, VerifyError
 from ..ir.limits import MAX_DEVICES, MAX_MICRO_BATCHES
 from ..passes import strategies
 from .ir import StepPlan
-from .lower import Lowered
+from .lower import Lowered, frag_pairs
 
 
 def _fail(plan: StepPlan, msg: str) -> VerifyError:
@@ -114,9 +116,11 @@ def _coverage(plan: StepPlan) -> None:
         raise _fail(plan, "a document is queued twice")
     count = np.bincount(plan.frag_doc, minlength=p.docs)
     split = np.flatnonzero(count > 1)
-    if len(split):
+    if len(split) and plan.chunk_keep < 1:
         raise _fail(plan, f"document {int(split[0])} is split into {int(count[split[0]])} fragments; splitting a "
-                          f"document needs its KV carried between micro-batches (not supported yet)")
+                          f"document needs its KV carried between chunks (chunk_keep >= 1)")
+    if len(split):
+        _chunks(plan, split)
     queued = np.zeros(p.docs, bool)
     queued[q] = True
     both = np.flatnonzero(queued & (count > 0))
@@ -129,6 +133,47 @@ def _coverage(plan: StepPlan) -> None:
         i = int(lost[0])
         raise _fail(plan, f"document {i}: {int(covered[i]):,} of its {int(p.seqlens[i]):,} tokens are in a "
                           f"micro-batch (every token must be in exactly one)")
+
+
+def _chunks(plan: StepPlan, split: np.ndarray) -> None:
+    """The fragments of every split document tile it in order, in strictly increasing slots; a later chunk
+    is its micro-batch's only fragment."""
+    if isinstance(plan.chunk_keep, bool) or not isinstance(plan.chunk_keep, int):
+        raise _fail(plan, f"chunk_keep must be an integer, got {plan.chunk_keep!r:.40}")
+    per_mb = np.bincount(plan.frag_mb, minlength=plan.n_mb)
+    is_split = np.zeros(plan.problem.docs, bool)
+    is_split[split] = True
+    frags = np.flatnonzero(is_split[plan.frag_doc])
+    order = frags[np.lexsort((plan.frag_start[frags], plan.frag_doc[frags]))]
+    doc, start, end = plan.frag_doc[order], plan.frag_start[order], plan.frag_end[order]
+    slot = plan.mb_slot[plan.frag_mb[order]]
+    same = doc[1:] == doc[:-1]
+    gap = np.flatnonzero(same & (start[1:] != end[:-1]))
+    if len(gap):
+        f = int(order[gap[0] + 1])
+        raise _fail(plan, f"document {int(doc[gap[0]])}: its chunk [{int(plan.frag_start[f])}, "
+                          f"{int(plan.frag_end[f])}) does not start where the one before ends ({int(end[gap[0]])})")
+    late = np.flatnonzero(same & (slot[1:] <= slot[:-1]))
+    if len(late):
+        f = int(order[late[0] + 1])
+        raise _fail(plan, f"document {int(doc[late[0]])}: its chunk [{int(plan.frag_start[f])}, "
+                          f"{int(plan.frag_end[f])}) runs in slot {int(slot[late[0] + 1])}, not after the chunk "
+                          f"before it (slot {int(slot[late[0]])}): it reads that chunk's KV")
+    fp = frag_pairs(plan.problem, plan)
+    whole = np.zeros(plan.problem.docs, np.int64)
+    np.add.at(whole, plan.frag_doc, fp)
+    lost = split[whole[split] != plan.problem.pairs[split]]
+    if len(lost):
+        d = int(lost[0])
+        raise _fail(plan, f"document {d} is cut into chunks, but its mask lets a row see a key after its chunk "
+                          f"({int(plan.problem.pairs[d] - whole[d]):,} pairs would be lost): only masks where no "
+                          f"query sees a later key can be cut")
+    later = order[1:][same]
+    shared = later[per_mb[plan.frag_mb[later]] > 1]
+    if len(shared):
+        f = int(shared[0])
+        raise _fail(plan, f"fragment {f}: a later chunk of document {int(plan.frag_doc[f])} shares micro-batch "
+                          f"{int(plan.frag_mb[f])} with other fragments (a chunk that reads earlier KV runs alone)")
 
 
 def _groups(plan: StepPlan) -> None:
@@ -169,17 +214,22 @@ def verify_attention(plan: StepPlan, irs) -> None:
     if len(irs) != plan.n_mb:
         raise _fail(plan, f"{len(irs)} attention plans for {plan.n_mb} micro-batches")
     ptr = plan.mb_ptr()
+    fp = frag_pairs(p, plan)
     for m, ir in enumerate(irs):
         size = len(plan.mb_ranks(m))
         if ir.devices != size:
             raise _fail(plan, f"micro-batch {m}: its attention plan has {ir.devices} devices, its group {size}")
-        if tuple(ir.problem.seqlens.tolist()) != plan.mb_seqlens(m):
-            raise _fail(plan, f"micro-batch {m}: its attention plan's samples are not its fragments")
+        prefix = plan.mb_prefix(m)
+        rows = tuple(ir.problem.q_lens.tolist()) if ir.problem.is_cross else tuple(ir.problem.seqlens.tolist())
+        if rows != plan.mb_seqlens(m) or ir.problem.is_cross != (prefix > 0) or (
+                prefix and int(ir.problem.seqlens[0]) != 2 * rows[0] + prefix):
+            raise _fail(plan, f"micro-batch {m}: its attention plan's samples are not its fragments"
+                              + (f" (a chunk after {prefix:,} earlier tokens of its document)" if prefix else ""))
         if (ir.problem.heads, ir.problem.kv_heads, ir.problem.head_dim) != (p.model.heads, p.model.kv_heads,
                                                                             p.model.head_dim):
             raise _fail(plan, f"micro-batch {m}: its attention plan's heads are not the model's")
         got = int(ir.need_graph().cb_pairs.sum())
-        want = int(p.pairs[plan.frag_doc[ptr[m]:ptr[m + 1]]].sum()) * p.model.heads
+        want = int(fp[ptr[m]:ptr[m + 1]].sum()) * p.model.heads
         if got != want:
             raise _fail(plan, f"micro-batch {m}: its attention plan computes {got:,} (pair, head)s, its "
                               f"documents have {want:,} under the mask")

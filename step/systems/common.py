@@ -26,6 +26,28 @@ def tokens_per_device(problem: StepProblem) -> int:
     return int(PLAN_MARGIN * free // activation_per_token(m, mesh.recompute))
 
 
+PIPELINE_MICRO = 4  # micro-batches per pipeline stage a system aims for when pp > 1 (1F1B bubble (p-1)/(m+p-1))
+
+
+def micro_tokens(problem: StepProblem) -> int:
+    """Most tokens of one micro-batch a device should hold: :func:`tokens_per_device` (memory), and with a
+    pipeline (``pp > 1``) no more than the step's share for ``PIPELINE_MICRO · pp`` micro-batches per
+    replica (so the 1F1B bubble stays near ``(p − 1) / (m + p − 1)`` with ``m ≥ 4p``), though never less
+    than the longest document over a CP group needs."""
+    cap = tokens_per_device(problem)
+    mesh = problem.mesh
+    if mesh.pp == 1:
+        return cap
+    share = -(-problem.tokens // (mesh.stage_devices * PIPELINE_MICRO * mesh.pp))
+    return max(1, min(cap, max(share, -(-int(problem.seqlens.max()) // mesh.cp))))
+
+
+def pipeline_micro(problem: StepProblem, micro: int) -> int:
+    """A system's packed sequences per replica: ``micro``, and with ``pp > 1`` at least ``PIPELINE_MICRO · pp``."""
+    pp = problem.mesh.pp
+    return micro if pp == 1 else max(micro, PIPELINE_MICRO * pp)
+
+
 def check_fits(problem: StepProblem, docs: np.ndarray, devices: int, what: str) -> None:
     """StepError in one line when a document cannot fit a group of ``devices`` devices (evenly split)."""
     cap = tokens_per_device(problem) * devices

@@ -42,7 +42,7 @@ The number of rounds, and so of micro-batches, varies from step to step.
 Choices the survey leaves open, made here:
 
 * ``max_tokens=0`` takes the memory model's bound
-  (:func:`common.tokens_per_device`); Megatron asks the user.
+  (:func:`common.micro_tokens`); Megatron asks the user.
 * The workload quota is the step's whole estimated work over the ``n``
   devices, the balance a perfect schedule reaches; the survey's per-rank
   quota ``W_i·(m_i·V + p − 1)`` reduces to it with pp = 1. Megatron's code
@@ -95,7 +95,7 @@ from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
 from ..mesh import Mesh
 from ..simulate import doc_seconds
-from .common import tokens_per_device
+from .common import micro_tokens
 
 ADAPTIVE = ("zigzag", "per_doc")
 COSTS = ("model", "square")
@@ -318,7 +318,7 @@ class DynCP(StepPass):
     def apply(self, problem: StepProblem) -> StepPlan:
         mesh, lens = problem.mesh, problem.seqlens
         n = mesh.stage_devices
-        cap = self.max_tokens or tokens_per_device(problem)
+        cap = self.max_tokens or micro_tokens(problem)
         sizes = group_sizes(mesh)
         need = need_size(lens, cap, sizes)
         refuse_unfit(problem, need, cap, "dyncp")

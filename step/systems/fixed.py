@@ -31,7 +31,7 @@ from ...ir.limits import MAX_MICRO_BATCHES
 from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
-from .common import check_fits, deal
+from .common import check_fits, deal, pipeline_micro
 
 
 def next_fit(lens: np.ndarray, context: int, limit: int) -> np.ndarray | None:
@@ -94,7 +94,7 @@ class Fixed(StepPass):
                     raise StepError(f"fixed: document {i} ({int(lens[i]):,} tokens) is longer than the context "
                                     f"length {context:,}; give fixed{{context=...}} at least {int(lens.max()):,}")
             else:
-                context = smallest_context(lens, mesh.dp * self.micro)
+                context = smallest_context(lens, mesh.dp * pipeline_micro(problem, self.micro))
             cuts = next_fit(lens, context, MAX_MICRO_BATCHES)
             if cuts is None:
                 raise StepError(f"fixed: the context length {context:,} packs the batch into more than "

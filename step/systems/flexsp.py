@@ -45,7 +45,7 @@ Choices the paper and the survey leave open (or that differ), made here:
   Ulysses runs every block pair on every device of its group, which the s²
   term alone misses; a fused profile launches a run of blocks once.
 * ``T`` (tokens per device) is ``max_tokens`` or the memory model's bound
-  (:func:`common.tokens_per_device`); a group of ``d`` devices holds its
+  (:func:`common.micro_tokens`); a group of ``d`` devices holds its
   sequences' tokens evenly (Ulysses and zigzag split them evenly).
 * Group sizes: the powers of two that stay node-aligned, as ``dyncp``
   (:func:`dyncp.group_sizes`), size 1 included (FlexSP's code skips it);
@@ -98,7 +98,7 @@ from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
 from ..model import ACT_BYTES
 from ..simulate import doc_seconds
-from .common import tokens_per_device
+from .common import micro_tokens
 from .dyncp import group_sizes, layout, need_size, refuse_unfit
 from .fixed import next_fit, smallest_context
 from .flexsp_milp import Buckets, Solved, groups_milp, homogeneous, polish, pooled_milp
@@ -241,7 +241,7 @@ class FlexSP(StepPass):
     def apply(self, problem: StepProblem) -> StepPlan:
         mesh, lens = problem.mesh, problem.seqlens
         n = mesh.stage_devices
-        cap = self.max_tokens or tokens_per_device(problem)
+        cap = self.max_tokens or micro_tokens(problem)
         sizes = group_sizes(mesh)
         need = need_size(lens, cap, sizes)
         refuse_unfit(problem, need, cap, "flexsp")

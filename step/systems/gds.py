@@ -35,7 +35,7 @@ Choices the survey leaves open, made here:
   index), each to the replica of least summed cost (ties: lower replica).
   Carried documents are ordinary documents (GDS keeps no queue).
 * **Memory bound**: a micro-batch holds at most ``M = tokens_per_device ×
-  cp / slack`` tokens (:func:`common.tokens_per_device`), ``slack`` being
+  cp / slack`` tokens (:func:`common.micro_tokens`), ``slack`` being
   DACP's (1.1 by default): DACP's automatic BucketSize is
   ``C = max(slack·T/N, all-distributed share)``, so a micro-batch of at most
   M tokens keeps C within what a device holds (the verifier checks the
@@ -78,7 +78,7 @@ from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
 from ..model import LINEAR_BWD_FACTOR
 from ..simulate import rates, work_factors
-from .common import tokens_per_device
+from .common import micro_tokens, tokens_per_device
 
 DACP_SLACK = Dacp().slack  # the dacp pass's automatic BucketSize slack (its default)
 
@@ -136,7 +136,9 @@ class Gds(StepPass):
 
     def apply(self, problem: StepProblem) -> StepPlan:
         mesh, lens = problem.mesh, problem.seqlens
-        cap = self.max_tokens or int(tokens_per_device(problem) * mesh.cp / DACP_SLACK)
+        cap = self.max_tokens or int(micro_tokens(problem) * mesh.cp / DACP_SLACK)
+        if not self.max_tokens and mesh.pp > 1:  # the pipeline's share never refuses what memory holds
+            cap = max(cap, min(int(lens.max()), int(tokens_per_device(problem) * mesh.cp / DACP_SLACK)))
         if lens.max() > cap:
             d = int(np.argmax(lens))
             raise StepError(f"gds: document {d} ({int(lens[d]):,} tokens) does not fit a micro-batch of at most "

@@ -32,7 +32,7 @@ from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
 from ..simulate import doc_seconds
-from .common import greedy_fill, members, tokens_per_device
+from .common import greedy_fill, members, micro_tokens
 
 ADAPTIVE = ("minheap", "hypergraph")
 
@@ -53,7 +53,7 @@ class Pool(StepPass):
         if n > MAX_DEVICES:
             raise StepError(f"pool: one attention plan over {n} devices is over MAX_DEVICES = {MAX_DEVICES} "
                             f"(ir/limits.py)")
-        cap = tokens_per_device(problem) * n
+        cap = micro_tokens(problem) * n
         if lens.max() > cap:
             d = int(np.argmax(lens))
             raise StepError(f"pool: document {d} ({int(lens[d]):,} tokens) does not fit the pool of {n} devices "

@@ -70,7 +70,7 @@ from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
 from ..simulate import doc_seconds
-from .common import check_fits, deal
+from .common import check_fits, deal, pipeline_micro
 from .fixed import next_fit, smallest_context
 
 
@@ -91,7 +91,7 @@ def fixed_packing(problem: StepProblem, context: int, micro: int, owner: str) ->
             raise StepError(f"{owner}: document {i} ({int(lens[i]):,} tokens) is longer than the context length "
                             f"{context:,}; give {owner}{{context=...}} at least {int(lens.max()):,}")
     else:
-        context = smallest_context(lens, problem.mesh.dp * micro)
+        context = smallest_context(lens, problem.mesh.dp * pipeline_micro(problem, micro))
     cuts = next_fit(lens, context, MAX_MICRO_BATCHES)
     if cuts is None:
         raise StepError(f"{owner}: the context length {context:,} packs the batch into more than "

@@ -17,7 +17,7 @@ Choices the survey leaves open, made here:
   linear and output layer per token, attention per exact allowed pair, with
   the backward and recompute factors (:func:`simulate.doc_seconds`).
 * ``L_max`` is memory-bounded, not window-bounded: the tokens a CP group of
-  the mesh holds (:func:`common.tokens_per_device` × cp), or ``max_tokens``.
+  the mesh holds (:func:`common.micro_tokens` × cp), or ``max_tokens``.
 * There are ``dp · micro`` micro-batches (``micro=0``: the fewest per
   replica, from the token bound up, at which every document fits), dealt to
   replicas heaviest first to the replica of least summed work among those
@@ -53,7 +53,7 @@ from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
 from ..simulate import doc_seconds
-from .common import deal_balanced, greedy_fill, members, tokens_per_device
+from .common import deal_balanced, greedy_fill, members, micro_tokens
 
 ADAPTIVE = ("zigzag", "per_doc")
 
@@ -95,7 +95,7 @@ class Wlb(StepPass):
 
     def apply(self, problem: StepProblem) -> StepPlan:
         mesh, lens = problem.mesh, problem.seqlens
-        lmax = self.max_tokens or tokens_per_device(problem) * mesh.cp
+        lmax = self.max_tokens or micro_tokens(problem) * mesh.cp
         if lens.max() > lmax:
             d = int(np.argmax(lens))
             raise StepError(f"wlb: document {d} ({int(lens[d]):,} tokens) does not fit a micro-batch of at most "
