@@ -93,6 +93,8 @@ def add_step_parser(sub) -> None:
     bn.add_argument("--profile", default="h100", help="cost profile: h100, h200, a100, cpu-local, or FILE.json")
     bn.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
     bn.add_argument("--recompute", default="full", choices=["full", "none"], help="activation recompute")
+    bn.add_argument("--pp", type=_int_in(1, 64), default=1, help="pipeline stages (each 4 nodes x 8 devices)")
+    bn.add_argument("--vp", type=_int_in(1, 64), default=1, help="model chunks per stage (interleaved 1F1B)")
     bn.add_argument("--out", default="out/step_bench", help="folder for step_bench.json, summary.txt and PNG "
                     "plots (created if missing; an existing file is an error)")
     bn.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
@@ -222,7 +224,7 @@ def _cmd_show(args) -> int:
 
 def _cmd_bench(args) -> int:
     from .backends.cost import get_profile
-    from .step import load_model
+    from .step import Mesh, load_model
     from .step.compare import system_list
     from .tools.bench import ensure_out_dir, load_batches
     from .tools.step_bench import step_bench
@@ -236,8 +238,9 @@ def _cmd_bench(args) -> int:
         if not names:
             raise StepError(f"--names must list batch names separated by ',', got {args.names[:40]!r}")
     system_list(args.systems)            # every input is checked before minutes of planning
-    load_model(args.model)
+    model = load_model(args.model)
     get_profile(args.profile)
+    Mesh(4, 8, args.pp, vp=args.vp).chunk_layers(model.layers)  # the pipeline fits the model
     load_batches(path, names)            # "no batch named ..."
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise StepError(f"{args.out}: not a folder (--out names a folder for step_bench.json, summary.txt and plots)")
@@ -245,7 +248,7 @@ def _cmd_bench(args) -> int:
     with _c_stdout_to_stderr():        # the progress bar goes to stderr too
         res = step_bench(path, args.systems, args.out, names=names, model=args.model, profile=args.profile,
                          recompute=args.recompute, block_size=args.block_size,
-                         show_progress=shows_progress(args.no_progress))
+                         show_progress=shows_progress(args.no_progress), pp=args.pp, vp=args.vp)
     if args.json:
         print(json.dumps({k: res[k] for k in ("rows", "summary")}, indent=1, default=float))
         return 0

@@ -34,12 +34,15 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default="all")
     ap.add_argument("--names", default=None, help="comma-separated batch names to keep")
     ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--profile", default="h100")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages of 4 nodes x 8 devices each")
+    ap.add_argument("--vp", type=int, default=1, help="model chunks per stage")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     names = [n for n in args.names.split(",") if n] if args.names else None
     t0 = time.perf_counter()
-    res = step_bench(args.batches, args.systems, args.out, names=names, model=args.model,
-                     show_progress=not args.no_progress, log=lambda s: print(s, file=sys.stderr, flush=True))
+    res = step_bench(args.batches, args.systems, args.out, names=names, model=args.model, profile=args.profile,
+                     pp=args.pp, vp=args.vp, show_progress=not args.no_progress, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(res["text"])
     print(f"({time.perf_counter() - t0:.0f} s)")
     print("wrote " + ", ".join(str(f) for f in res["files"]))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from .base import StepPass, parse_system
 from .ir import StepPlan, StepProblem
 from .lower import Lowered, lower_or_fall_back
-from .pipeline import build_schedule, verify_schedule
+from .pipeline import align_slots, build_schedule, verify_schedule
 from .pipesim import mb_parts, simulate_pipeline, stage_memory
 from .simulate import memory, simulate_step
 from .verify import verify_lowered, verify_plan
@@ -39,7 +39,7 @@ def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify:
     """Plan ``problem`` with ``system`` (a name, ``name{opt=value}`` text or a pass), lower, verify, simulate."""
     t0 = time.perf_counter()
     sp = parse_system(system)
-    plan = sp.apply(problem)
+    plan = align_slots(sp.apply(problem))  # the interleaved schedule's multiple of pp slots (vp > 1)
     if verify:
         verify_plan(plan)
     plan, lowered = lower_or_fall_back(plan)  # a strategy its group cannot lower gives way to one that can

@@ -247,3 +247,50 @@ def verify_schedule(plan: StepPlan, sch: Schedule) -> None:
                 raise VerifyError(f"schedule of {plan.system}: stage {s} runs the backwards of a document's "
                                   f"chunks (units {chain.tolist()[:8]}) out of reverse order: a chunk's KV "
                                   f"gradients come from every later chunk")
+
+
+# ---------------------------------------------------------------------------------------- alignment
+
+def align_slots(plan: StepPlan) -> StepPlan:
+    """``plan`` with as many slots as the interleaved schedule needs (a multiple of ``pp``; Megatron-LM's
+    dynamic-CP loader, ``align_sample_id_groups``, splits tail micro-batches the same way): while the
+    count is off, the slot of most tokens among those holding a micro-batch of two or more fragments is
+    cut in two — each such micro-batch's fragments split where their tokens are closest to half, the
+    second halves in a new slot right after — and its ``info`` says so. Unchanged with ``vp = 1``;
+    StepError when no slot can be cut."""
+    mesh = plan.problem.mesh
+    if mesh.vp == 1 or plan.n_slots() % mesh.pp == 0:
+        return plan
+    import dataclasses
+    frag = np.stack([plan.frag_doc, plan.frag_start, plan.frag_end, plan.frag_mb], 1)
+    mb_slot, mb_group, strat = plan.mb_slot.copy(), plan.mb_group.copy(), list(plan.mb_strategy)
+    cuts = 0
+    while (int(mb_slot.max()) + 1) % mesh.pp:
+        counts = np.bincount(frag[:, 3], minlength=len(mb_slot))
+        tokens = np.bincount(mb_slot[frag[:, 3]], weights=frag[:, 2] - frag[:, 1], minlength=int(mb_slot.max()) + 1)
+        ok = np.unique(mb_slot[counts >= 2])
+        if not len(ok):
+            raise StepError(f"the interleaved schedule (vp={mesh.vp}) needs a multiple of pp={mesh.pp} micro-batch "
+                            f"slots per step (as Megatron-LM requires); {plan.system} planned "
+                            f"{plan.n_slots()} and no micro-batch has two documents to split: use vp=1")
+        t = int(ok[np.argmax(tokens[ok])])
+        mb_slot[mb_slot > t] += 1
+        rows = []
+        for m in np.flatnonzero((mb_slot == t) & (counts >= 2)).tolist():
+            mine = np.flatnonzero(frag[:, 3] == m)
+            run = np.cumsum(frag[mine, 2] - frag[mine, 1])
+            k = int(np.clip(np.argmin(np.abs(run - run[-1] / 2)) + 1, 1, len(mine) - 1))
+            new = len(mb_slot)
+            mb_slot = np.append(mb_slot, t + 1)
+            mb_group = np.append(mb_group, mb_group[m])
+            strat.append(strat[m])
+            frag[mine[k:], 3] = new
+            rows.append(new)
+        cuts += len(rows)
+    order = np.argsort(frag[:, 3], kind="stable")
+    frag = frag[order]
+    info = tuple(plan.info) + (("aligned", f"{cuts} micro-batch(es) split so the {mesh.pp}-stage interleaved "
+                                           f"schedule gets a multiple of {mesh.pp} slots"),)
+    return dataclasses.replace(plan, frag_doc=frag[:, 0], frag_start=frag[:, 1], frag_end=frag[:, 2],
+                               frag_mb=frag[:, 3], mb_slot=mb_slot, mb_group=mb_group, mb_strategy=tuple(strat),
+                               info=info)

@@ -21,9 +21,15 @@ backward. An op starts when its stage is free and its input has arrived:
 the previous chunk's forward (forward), the next chunk's backward, or its
 own forward on the last chunk (backward).
 
-**Bubble ratio**, as the pipeline papers state it: the share of the compute
-span (first op to last op) a stage is idle, averaged over stages —
+**Micro-batches of one unit** (a slot) on disjoint ranks run independently:
+every stage-local rank has its own clock, so data-parallel replicas with
+their own groups do not wait for each other's micro-batches.
+
+**Bubble ratio**, as the pipeline papers state it: the share of its compute
+span a device idles, over every *column* (one stage-local rank on each
+stage; span from the column's first op to its last) —
 ``(p − 1) / (m + p − 1)`` for ``m`` equal micro-batches under 1F1B.
+Load imbalance between columns is the DP imbalance, not counted here.
 
 **Gradient reduction**: every stage reduces its own parameters over its
 ``dp · cp`` devices, overlapped with its last backward as in
@@ -88,44 +94,43 @@ def link(plan: StepPlan, a: int, b: int) -> tuple[float, float]:
 
 
 def op_durations(plan: StepPlan, sch: Schedule, parts: list[dict]):
-    """``[units, chunks]`` forward and backward seconds and the send seconds after each (activations
-    forward, gradients backward) — see the module doc."""
+    """``[micro-batches, chunks]`` forward and backward seconds and the send seconds after each
+    (activations forward, gradients backward) — see the module doc."""
     p = plan.problem
     C, P = sch.chunks, sch.stages
     layers = p.mesh.chunk_layers(p.model.layers)
-    units = slot_members(plan)
-    fd = np.zeros((sch.units, C))
-    bd = np.zeros((sch.units, C))
-    fs = np.zeros((sch.units, C))
-    bs = np.zeros((sch.units, C))
-    for u, mbs in enumerate(units):
+    unit = plan.mb_slot
+    shape = (plan.n_mb, C)
+    fd, bd, fs, bs = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    links = {(a, b): link(plan, a, b) for a in range(P) for b in range(P)}
+    for m, pr in enumerate(parts):
+        msg = int(pr["tokens"].max()) * p.model.hidden * ACT_BYTES
         for c in range(C):
             last = c == C - 1
-            fd[u, c] = max(layers[c] * parts[m]["f"] + (parts[m]["head_f"] if last else 0.0) for m in mbs)
-            bd[u, c] = max(layers[c] * parts[m]["b"] + (LINEAR_BWD_FACTOR * parts[m]["head_f"] if last else 0.0)
-                           + (layers[c] * parts[m]["f_plain"] if sch.recompute[u] else 0.0) for m in mbs)
-        msg = max(int(parts[m]["tokens"].max()) for m in mbs) * p.model.hidden * ACT_BYTES
-        for c in range(C):
-            if c + 1 < C:
-                bw, alpha = link(plan, c % P, (c + 1) % P)
-                fs[u, c] = alpha + msg / bw if P > 1 else 0.0
-            if c > 0:
-                bw, alpha = link(plan, c % P, (c - 1) % P)
-                bs[u, c] = alpha + msg / bw if P > 1 else 0.0
+            fd[m, c] = layers[c] * pr["f"] + (pr["head_f"] if last else 0.0)
+            bd[m, c] = (layers[c] * pr["b"] + (LINEAR_BWD_FACTOR * pr["head_f"] if last else 0.0)
+                        + (layers[c] * pr["f_plain"] if sch.recompute[unit[m]] else 0.0))
+            if P > 1 and c + 1 < C:
+                bw, alpha = links[(c % P, (c + 1) % P)]
+                fs[m, c] = alpha + msg / bw
+            if P > 1 and c > 0:
+                bw, alpha = links[(c % P, (c - 1) % P)]
+                bs[m, c] = alpha + msg / bw
     return fd, bd, fs, bs
 
 
-def timeline(sch: Schedule, fd: np.ndarray, bd: np.ndarray, fs: np.ndarray, bs: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end of every op of the schedule (its rows), each as early as its stage and its input
-    allow (module doc); StepError if the ops cannot all run (a stage waits on a stage waiting on it)."""
+def timeline(sch: Schedule, members: list[np.ndarray], ranks: list[np.ndarray], n: int, fd: np.ndarray,
+             bd: np.ndarray, fs: np.ndarray, bs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end ``[micro-batch, chunk, kind]`` of every op: the stages run their ops in schedule order,
+    each micro-batch of a unit on its own ranks (``ranks[m]``, stage-local, ``n`` a stage), as early as
+    those ranks and its input allow (module doc): a unit's micro-batches on disjoint ranks do not wait for
+    each other. StepError if the ops cannot all run (a stage waits on a stage waiting on it)."""
     C = sch.chunks
-    f_end = np.full((sch.units, C), np.nan)
-    b_end = np.full((sch.units, C), np.nan)
-    start = np.zeros(len(sch.op_unit))
-    end = np.zeros(len(sch.op_unit))
+    n_mb = len(fd)
+    start = np.full((n_mb, C, 2), np.nan)
+    end = np.full((n_mb, C, 2), np.nan)
     ptr = sch.op_ptr[:-1].copy()
-    free = np.zeros(sch.stages)
+    clock = np.zeros((sch.stages, n))
     left = len(sch.op_unit)
     while left:
         moved = False
@@ -133,15 +138,18 @@ def timeline(sch: Schedule, fd: np.ndarray, bd: np.ndarray, fs: np.ndarray, bs: 
             while ptr[s] < sch.op_ptr[s + 1]:
                 i = int(ptr[s])
                 u, c, k = int(sch.op_unit[i]), int(sch.op_chunk[i]), int(sch.op_kind[i])
+                mbs = members[u]
                 if k == F:
-                    ready = 0.0 if c == 0 else f_end[u, c - 1] + fs[u, c - 1]
+                    ready = np.zeros(len(mbs)) if c == 0 else end[mbs, c - 1, F] + fs[mbs, c - 1]
                 else:
-                    ready = f_end[u, c] if c == C - 1 else b_end[u, c + 1] + bs[u, c + 1]
-                if np.isnan(ready):
+                    ready = end[mbs, c, F] if c == C - 1 else end[mbs, c + 1, B] + bs[mbs, c + 1]
+                if np.isnan(ready).any():
                     break
-                start[i] = max(free[s], ready)
-                end[i] = free[s] = start[i] + (fd[u, c] if k == F else bd[u, c])
-                (f_end if k == F else b_end)[u, c] = end[i]
+                for m, r0 in zip(mbs.tolist(), ready.tolist()):
+                    r = ranks[m]
+                    t0 = max(float(clock[s, r].max()), r0)
+                    start[m, c, k] = t0
+                    end[m, c, k] = clock[s, r] = t0 + (fd[m, c] if k == F else bd[m, c])
                 ptr[s] += 1
                 left -= 1
                 moved = True
@@ -153,12 +161,24 @@ def timeline(sch: Schedule, fd: np.ndarray, bd: np.ndarray, fs: np.ndarray, bs: 
     return start, end
 
 
-def bubble_ratio(sch: Schedule, start: np.ndarray, end: np.ndarray) -> tuple[float, np.ndarray]:
-    """(mean idle share of the compute span over stages, busy seconds per stage)."""
-    span = float(end.max() - start.min()) if len(end) else 0.0
-    busy = np.array([float((end[r.start:r.stop] - start[r.start:r.stop]).sum())
-                     for r in (sch.stage_ops(s) for s in range(sch.stages))])
-    return (float(1.0 - busy.mean() / span) if span > 0 else 0.0), busy
+def bubble_ratio(sch: Schedule, ranks: list[np.ndarray], n: int, start: np.ndarray, end: np.ndarray
+                 ) -> tuple[float, np.ndarray]:
+    """(bubble ratio, busy seconds per stage-local rank and stage ``[stages, n]``). A *column* is one
+    stage-local rank on every stage; its span runs from the first op on any of its devices to the last;
+    the ratio is ``1 − busy / (stages · span)`` summed over the columns that run anything (module doc)."""
+    P = sch.stages
+    busy = np.zeros((P, n))
+    first = np.full(n, np.inf)
+    last = np.full(n, -np.inf)
+    for m, r in enumerate(ranks):
+        for c in range(sch.chunks):
+            for k in (F, B):
+                busy[c % P, r] += end[m, c, k] - start[m, c, k]
+            first[r] = np.minimum(first[r], np.nanmin(start[m]))
+            last[r] = np.maximum(last[r], np.nanmax(end[m]))
+    used = np.isfinite(first)
+    span = float((last[used] - first[used]).sum()) * P
+    return (float(1.0 - busy[:, used].sum() / span) if span > 0 else 0.0), busy
 
 
 def stage_memory(plan: StepPlan, sch: Schedule, parts: list[dict], lowered: list[Lowered]
@@ -207,17 +227,16 @@ def stage_memory(plan: StepPlan, sch: Schedule, parts: list[dict], lowered: list
     return peak, which
 
 
-def stage_grad_end(plan: StepPlan, sch: Schedule, end: np.ndarray, s: int, layers_s: int, last_b: float
+def stage_grad_end(plan: StepPlan, sch: Schedule, done: float, s: int, layers_s: int, last_b: float
                    ) -> tuple[float, float]:
-    """End of stage ``s``'s overlapped gradient reduction (:func:`attnplan.step.simulate.grad_reduce` with
-    the stage's own buckets: the output layer's first on the last stage, the embedding's last on the
-    first)."""
+    """(end, total seconds) of stage ``s``'s overlapped gradient reduction
+    (:func:`attnplan.step.simulate.grad_reduce` with the stage's own buckets: the output layer's first on
+    the last stage, the embedding's last on the first), its compute done at ``done``, its last backward
+    op ``last_b`` seconds long."""
     p = plan.problem
     mesh, model, prof = p.mesh, p.model, p.profile
     n = mesh.stage_devices
     spans = mesh.nodes > 1 and n > mesh.devices_per_node
-    r = sch.stage_ops(s)
-    done = float(end[r.start:r.stop].max()) if len(r) else 0.0
     bucket = ring_seconds(layer_params(model) * GRAD_BYTES, n, spans, prof)
     holds_last = (sch.chunks - 1) % sch.stages == s
     first = ring_seconds(model.vocab * model.hidden * GRAD_BYTES, n, spans, prof) if holds_last else 0.0
@@ -235,12 +254,13 @@ def simulate_pipeline(plan: StepPlan, lowered: list[Lowered], sch: Schedule | No
     mesh, model = p.mesh, p.model
     sch = sch or build_schedule(plan)
     parts = mb_parts(plan, lowered)
-    fd, bd, fs, bs = op_durations(plan, sch, parts)
-    start, end = timeline(sch, fd, bd, fs, bs)
-    ratio, stage_busy = bubble_ratio(sch, start, end)
     n, P, C = mesh.stage_devices, sch.stages, sch.chunks
-    layers = mesh.chunk_layers(model.layers)
     units = slot_members(plan)
+    ranks = [pr["ranks"] for pr in parts]
+    fd, bd, fs, bs = op_durations(plan, sch, parts)
+    start, end = timeline(sch, units, ranks, n, fd, bd, fs, bs)
+    ratio, _ = bubble_ratio(sch, ranks, n, start, end)
+    layers = mesh.chunk_layers(model.layers)
     busy = np.zeros(n * P)
     for u, mbs in enumerate(units):
         for m in mbs.tolist():
@@ -251,23 +271,20 @@ def simulate_pipeline(plan: StepPlan, lowered: list[Lowered], sch: Schedule | No
                 busy[s * n + pr["ranks"]] += pr["busy"] * layers[c] + extra + (pr["head_busy"] if c == C - 1 else 0)
     grad_end = []
     for s in range(P):
-        r = sch.stage_ops(s)
-        kinds, chunks_ = sch.op_kind[r.start:r.stop], sch.op_chunk[r.start:r.stop]
-        last_i = r.start + int(np.flatnonzero(kinds == B)[-1])
-        last_b = float(end[last_i] - start[last_i])
-        grad_end.append(stage_grad_end(plan, sch, end, s, sum(layers[c] for c in set(chunks_.tolist())), last_b))
+        on = [c for c in range(C) if c % P == s]
+        done = np.nanmax(end[:, on, :]) if plan.n_mb else 0.0
+        last_b = max(float(bd[m, c]) for m in range(plan.n_mb) for c in on
+                     if end[m, c, B] == np.nanmax(end[:, on, B]))
+        grad_end.append(stage_grad_end(plan, sch, float(done), s, sum(layers[c] for c in on), last_b))
     step = float(max(g for g, _ in grad_end))
-    compute_end = float(end.max())
+    compute_end = float(np.nanmax(end))
     lower = step_flops_s(plan) / (n * P)
     peak, peak_mb = stage_memory(plan, sch, parts, lowered)
-    mb_start = np.zeros(plan.n_mb)
-    mb_end = np.zeros(plan.n_mb)
-    first_f = (sch.op_chunk == 0) & (sch.op_kind == F)
-    first_b = (sch.op_chunk == 0) & (sch.op_kind == B)
-    for i in np.flatnonzero(first_f).tolist():
-        mb_start[units[int(sch.op_unit[i])]] = start[i]
-    for i in np.flatnonzero(first_b).tolist():
-        mb_end[units[int(sch.op_unit[i])]] = end[i]
+    mb_start = start[:, 0, F]
+    mb_end = end[:, 0, B]
+    stage_busy = [float(np.nansum(end[:, [c for c in range(C) if c % P == s]] - start[:, [c for c in range(C)
+                                                                                          if c % P == s]]))
+                  for s in range(P)]
     mean_busy = float(busy.mean())
     return {
         "system": plan.system, "devices": n * P, "micro_batches": plan.n_mb, "max_slots": plan.n_slots(),
@@ -284,10 +301,10 @@ def simulate_pipeline(plan: StepPlan, lowered: list[Lowered], sch: Schedule | No
                    "tokens": plan.mb_tokens().tolist(), "devices": [len(plan.mb_ranks(m)) for m in range(plan.n_mb)],
                    "strategy": list(plan.mb_strategy), "slot": plan.mb_slot.tolist()},
         "pipeline": {"schedule": sch.kind, "stages": P, "vp": sch.vp, "units": sch.units,
-                     "chunk_layers": list(layers), "stage_busy_s": stage_busy.tolist(),
+                     "chunk_layers": list(layers), "stage_busy_s": stage_busy,
                      "stage_grad_end_s": [g for g, _ in grad_end], "recomputed_units": int(sch.recompute.sum()),
                      "ops": {"unit": sch.op_unit.tolist(), "chunk": sch.op_chunk.tolist(),
-                             "kind": sch.op_kind.tolist(), "start_s": start.tolist(), "end_s": end.tolist(),
-                             "stage_ptr": sch.op_ptr.tolist()}},
+                             "kind": sch.op_kind.tolist(), "stage_ptr": sch.op_ptr.tolist()},
+                     "mb_start_s": start.tolist(), "mb_end_s": end.tolist()},
         "info": plan.info_dict(),
     }

@@ -43,8 +43,13 @@ def _schedule(rows, stages, vp, units, recompute=None, bwd=None) -> Schedule:
 
 def _equal_bubble(sch: Schedule, f=1.0, b=2.0) -> float:
     fd = np.full((sch.units, sch.chunks), f)
-    start, end = timeline(sch, fd, fd * b / f, fd * 0, fd * 0)
-    return bubble_ratio(sch, start, end)[0]
+    members, ranks = _one_each(sch.units)
+    start, end = timeline(sch, members, ranks, 1, fd, fd * b / f, fd * 0, fd * 0)
+    return bubble_ratio(sch, ranks, 1, start, end)[0]
+
+
+def _one_each(units):
+    return [np.array([u]) for u in range(units)], [np.array([0]) for _ in range(units)]
 
 
 # ------------------------------------------------------------------------------------ meshes
@@ -119,12 +124,13 @@ def test_a_schedule_that_cannot_run_is_one_line():
     sch = _schedule([(1, 0, F), (0, 0, F), (0, 0, B), (1, 0, B),
                      (0, 1, F), (0, 1, B), (1, 1, F), (1, 1, B)], 2, 1, 2)
     fd = np.ones((2, 2))
-    start, end = timeline(sch, fd, fd, fd * 0, fd * 0)  # runs: stage 1 just waits
-    assert end.max() > 0
+    members, ranks = _one_each(2)
+    start, end = timeline(sch, members, ranks, 1, fd, fd, fd * 0, fd * 0)  # runs: stage 1 just waits
+    assert np.nanmax(end) > 0
     sch = _schedule([(0, 0, B), (0, 0, F), (1, 0, F), (1, 0, B),
                      (0, 1, F), (0, 1, B), (1, 1, F), (1, 1, B)], 2, 1, 2)
     with pytest.raises(StepError, match="cannot run"):
-        timeline(sch, fd, fd, fd * 0, fd * 0)
+        timeline(sch, members, ranks, 1, fd, fd, fd * 0, fd * 0)
 
 
 # ------------------------------------------------------------------------------------ chunks
@@ -202,6 +208,11 @@ def test_interleaved_needs_a_multiple_of_pp_slots():
         compile_step(prob, "fixed{micro=1,context=20}")
     c = compile_step(_problem([20] * 8, 1, 1, 2, vp=2), "fixed{context=20}")
     assert c.report["pipeline"]["schedule"] == "interleaved" and c.report["pipeline"]["vp"] == 2
+    # three sequences of two documents: the heaviest slot is cut in two (Megatron-LM's alignment)
+    c = compile_step(_problem([20, 19, 18, 17, 16, 15], 1, 1, 2, vp=2), "fixed{context=40}")
+    assert c.plan.n_slots() == 4 and "aligned" in c.report["info"]
+    assert sorted(c.plan.frag_doc.tolist()) == list(range(6))
+    check_execution(c)
 
 
 def test_cli_step_compare_and_show_a_pipeline(capsys, tmp_path):

@@ -1,7 +1,7 @@
 """``plan step bench`` and ``benchmarks/step.py`` (issue 10's acceptance
 table): every batch-level system on every batch of a workload file at one
-model, on 4 nodes × 8 devices — dp=4,cp=8 for batches of 512K tokens or
-more, dp=8,cp=4 below — with a progress bar, a table, a JSON file of every
+model, on 4 nodes × 8 devices a pipeline stage — dp=4,cp=8 for batches of
+512K tokens or more, dp=8,cp=4 below, ``pp`` stages — with a progress bar, a table, a JSON file of every
 row and PNG plots. This module is the one place the rows are computed.
 
 Per (batch, system): step time, step / lower bound, DP imbalance (max/mean
@@ -30,10 +30,11 @@ BIG = 512 * 1024                 # batches of at least this many tokens use the 
 TARGET_SPEEDUP, TARGET_RATIO, TARGET_PLAN_S = 1.3, 1.25, 5.0
 
 
-def mesh_for(tokens: int, recompute: str = "full") -> Mesh:
-    """The suite's mesh on 4 nodes × 8 devices: dp=4,cp=8 at 512K tokens or more, dp=8,cp=4 below."""
+def mesh_for(tokens: int, recompute: str = "full", pp: int = 1, vp: int = 1) -> Mesh:
+    """The suite's mesh on 4 nodes × 8 devices a pipeline stage: dp=4,cp=8 at 512K tokens or more, dp=8,cp=4
+    below; ``pp`` such stages (``vp`` model chunks each)."""
     dp, cp = (4, 8) if tokens >= BIG else (8, 4)
-    return Mesh(dp=dp, cp=cp, devices_per_node=8, recompute=recompute)
+    return Mesh(dp=dp, cp=cp, pp=pp, devices_per_node=8, recompute=recompute, vp=vp)
 
 
 def budget_of(batch: dict) -> int:
@@ -43,7 +44,7 @@ def budget_of(batch: dict) -> int:
 
 
 def run_suite(batches: list[dict], names: list[str], model="llama3-8b", profile="h100", recompute="full",
-              block_size: int = 2048, progress=None, log=None) -> list[dict]:
+              block_size: int = 2048, progress=None, log=None, pp: int = 1, vp: int = 1) -> list[dict]:
     """Every system of ``names`` on every batch (the rows; see the module doc). ``progress(batch, system)``
     is called after each (batch, system) pair, ``log(line)`` after each batch."""
     rows = []
@@ -51,7 +52,7 @@ def run_suite(batches: list[dict], names: list[str], model="llama3-8b", profile=
         if b.get("segments") is not None:
             raise StepError(f"batch {b['name']}: plan step does not take segments yet")
         budget = budget_of(b)
-        mesh = mesh_for(budget, recompute)
+        mesh = mesh_for(budget, recompute, pp, vp)
         got = []
         for name in names:
             problem = make_problem(b["seqlens"], model=model, mesh=mesh, profile=profile, block_size=block_size)
@@ -75,8 +76,9 @@ def run_suite(batches: list[dict], names: list[str], model="llama3-8b", profile=
 def table(rows: list[dict]) -> str:
     width = max([8] + [len(r["system"]) for r in rows])
     bw = max([20] + [len(str(r["batch"])) for r in rows])
+    pipe = any("bubble_ratio" in r for r in rows)
     head = (f"{'batch':<{bw}} {'system':<{width}} {'mb':>4} {'step ms':>9} {'step/LB':>7} {'DP imb':>6} "
-            f"{'grad ms':>7} {'peak GiB':>8} {'plan s':>6} {'vs fixed':>8}")
+            + (f"{'bubble':>6} " if pipe else "") + f"{'grad ms':>7} {'peak GiB':>8} {'plan s':>6} {'vs fixed':>8}")
     out = [head]
     for r in rows:
         if "error" in r:
@@ -84,7 +86,8 @@ def table(rows: list[dict]) -> str:
             continue
         vs = f"{r['speedup_vs_fixed']:.2f}x" if "speedup_vs_fixed" in r else "-"
         out.append(f"{r['batch']:<{bw}} {r['system']:<{width}} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
-                   f"{r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} {r['exposed_grad_s'] * 1e3:>7.1f} "
+                   f"{r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} "
+                   + (f"{r.get('bubble_ratio', 0.0):>6.1%} " if pipe else "") + f"{r['exposed_grad_s'] * 1e3:>7.1f} "
                    f"{r['peak_memory_bytes'] / 2**30:>8.1f} {r['plan_s']:>6.2f} {vs:>8}")
     return "\n".join(out)
 
@@ -127,6 +130,20 @@ def summary(rows: list[dict]) -> tuple[list[str], dict]:
         lines.append("largest plan time, 512K on 32 devices: " + ", ".join(f"{k} {v:.2f}s" for k, v in plan.items())
                      + f" (target <= {TARGET_PLAN_S} s): "
                      + ("PASS" if max(plan.values()) <= TARGET_PLAN_S else "FAIL"))
+    bub: dict[str, list[float]] = {}
+    for r in rows:
+        if "error" not in r and "bubble_ratio" in r:
+            bub.setdefault(r["system"], []).append(r["bubble_ratio"])
+    if bub:
+        res["median_bubble"] = {k: statistics.median(v) for k, v in bub.items()}
+        lines.append("median bubble ratio: " + ", ".join(f"{k} {statistics.median(v):.1%}" for k, v in bub.items()))
+        every = {}
+        for r in rows:
+            if "error" not in r:
+                every[r["system"]] = max(every.get(r["system"], 0.0), r["plan_s"])
+        res["max_plan_s"] = every
+        lines.append("largest plan time: " + ", ".join(f"{k} {v:.2f}s" for k, v in every.items())
+                     + f" (target <= {TARGET_PLAN_S} s): " + ("PASS" if max(every.values()) <= TARGET_PLAN_S else "FAIL"))
     over = [r for r in rows if "error" not in r and r["peak_memory_bytes"] > r["memory_cap_bytes"]]
     res["over_cap"] = len(over)
     lines.append(f"rows with a device over its memory cap: {len(over)}")
@@ -181,7 +198,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def step_bench(batches_path: str, systems="all", out_dir="out/step_bench", names=None, model="llama3-8b",
                profile="h100", recompute="full", block_size: int = 2048, show_progress: bool = True,
-               log=None) -> dict:
+               log=None, pp: int = 1, vp: int = 1) -> dict:
     """Run the suite (:func:`run_suite`), write ``step_bench.json``, ``summary.txt`` and the plots into
     ``out_dir``; the rows, the summary and the files written."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -200,13 +217,14 @@ def step_bench(batches_path: str, systems="all", out_dir="out/step_bench", names
         def advance(batch, system):
             bar.update(task, advance=1, description=f"{batch} {system}")
         rows = run_suite(batches, sys_names, model=model, profile=profile, recompute=recompute,
-                         block_size=block_size, progress=advance, log=log)
+                         block_size=block_size, progress=advance, log=log, pp=pp, vp=vp)
     lines, res = summary(rows)
     text = table(rows) + "\n\n" + "\n".join(lines)
     model_name = load_model(model).name
     try:
         (out / "step_bench.json").write_text(json.dumps({"model": model_name, "profile": profile,
-                                                         "recompute": recompute, "rows": rows, "summary": res},
+                                                         "recompute": recompute, "pp": pp, "vp": vp, "rows": rows,
+                                                         "summary": res},
                                                         indent=1))
         (out / "summary.txt").write_text(text + "\n")
         plots = plot(rows, out)

@@ -17,9 +17,12 @@ reorganised into chunks of one size, scheduled through the pipeline.
    schedule ``chunkflow``), so a device holds the activations of at most
    ``K`` chunks of a document plus the document's KV.
 4. **Replicas.** Units — a document's chunks together, or one standalone
-   chunk — go to data-parallel replicas by LPT on tokens (time ∝ length,
-   ChunkFlow's cost model); a replica runs its units in data order, its
-   ``t``-th chunk in slot ``t``, on its CP group.
+   chunk — go to data-parallel replicas by LPT; a replica runs its units in
+   data order, its ``t``-th chunk in slot ``t``, on its CP group.
+   ``cost=tokens`` balances tokens (time ∝ length, ChunkFlow's cost model);
+   ``cost=model`` (default) the units' step compute at the effective peak,
+   attention's exact pairs included (:func:`simulate.doc_seconds`): the
+   chunks of a long document cost more than their tokens say.
 
 Choices the paper leaves to its user, made here:
 
@@ -47,6 +50,7 @@ from ..ir import StepPlan, StepProblem
 from ..lower import cache_of, check_option, choose_strategy
 from ..pipeline import Schedule, backward_order, one_f_one_b
 from ..pipesim import bubble_ratio, timeline
+from ..simulate import doc_seconds
 from .common import tokens_per_device
 
 
@@ -86,7 +90,7 @@ def make_units(lens: np.ndarray, chunk: int) -> list[tuple[int, list]]:
 
 
 def assign_replicas(sizes: np.ndarray, dp: int) -> np.ndarray:
-    """Replica of every unit: LPT on tokens (largest first, each to the replica of fewest tokens; ties to
+    """Replica of every unit: LPT on ``sizes`` (largest first, each to the replica of least total; ties to
     the lower index)."""
     load = np.zeros(dp)
     out = np.zeros(len(sizes), np.int64)
@@ -124,8 +128,9 @@ def bubble_example(lengths, stages: int, chunk: int = 0, keep: int = 1, bwd_fact
                    a[:, 0], a[:, 1], a[:, 2], recompute, bwd)
     fd = np.repeat(np.asarray(times, np.float64)[:, None], stages, 1)
     bd = fd * bwd_factor + np.where(recompute[:, None], fd, 0.0)
-    start, end = timeline(sch, fd, bd, fd * 0, fd * 0)
-    return bubble_ratio(sch, start, end)[0]
+    members, ranks = [np.array([u]) for u in range(n)], [np.array([0]) for _ in range(n)]
+    start, end = timeline(sch, members, ranks, 1, fd, bd, fd * 0, fd * 0)
+    return bubble_ratio(sch, ranks, 1, start, end)[0]
 
 
 def check_cuttable(problem: StepProblem, length: int) -> None:
@@ -145,11 +150,14 @@ class ChunkFlow(StepPass):
     chunk: int = 0          # tokens per chunk (C); 0 = from the memory model and the pipeline (module doc)
     k: int = 1              # chunks of a document that keep their activations (K); the rest recompute
     inner: str = "minheap"  # attention strategy inside every chunk (or auto)
+    cost: str = "model"     # what LPT balances over replicas: model (compute seconds) or tokens (the paper's)
 
     def __post_init__(self):
         check_int("chunkflow", "chunk", self.chunk, 0, 1 << 40)
         check_int("chunkflow", "k", self.k, 1, MAX_MICRO_BATCHES)
         check_option("chunkflow", "inner", self.inner, adaptive=False)
+        if self.cost not in ("model", "tokens"):
+            raise StepError(f"chunkflow: cost must be model or tokens, got {self.cost!r:.40}")
 
     def chunk_size(self, problem: StepProblem) -> int:
         if self.chunk:
@@ -167,7 +175,11 @@ class ChunkFlow(StepPass):
         if (lens > chunk).any():
             check_cuttable(problem, int(lens.max()))
         units = make_units(lens, chunk)
-        sizes = np.array([sum(e - s for c in u[1] for _, s, e in c) for u in units], np.float64)
+        if self.cost == "tokens":
+            sizes = np.array([sum(e - s for c in u[1] for _, s, e in c) for u in units], np.float64)
+        else:
+            work = doc_seconds(problem)
+            sizes = np.array([sum(work[d] for d in {d for c in u[1] for d, _, _ in c}) for u in units])
         replica = assign_replicas(sizes, mesh.dp)
         frags: list[tuple[int, int, int, int]] = []  # (doc, start, end, micro-batch)
         mb_slot, mb_rep = [], []
