@@ -91,6 +91,11 @@ def test_interleaved_bubble_is_the_closed_form(stages, vp, groups):
     per = interleaved(units, stages, vp)
     sch = _schedule([op for ops in per for op in ops], stages, vp, units)
     assert _equal_bubble(sch) == pytest.approx((stages - 1) / (vp * units + stages - 1), abs=1e-12)
+    # the survey's Dynamic-CP quota: a rank's time is W·(m·V + p − 1), W a micro-batch's F + B on one chunk
+    fd = np.full((units, stages * vp), 1.0)
+    members, ranks = _one_each(units)
+    start, end = timeline(sch, members, ranks, 1, fd, 2 * fd, fd * 0, fd * 0)
+    assert np.nanmax(end) == pytest.approx(3.0 * (units * vp + stages - 1))
 
 
 def test_the_survey_figures_of_chunkflow_bubble_example():

@@ -9,20 +9,33 @@ import numpy as np
 
 from ...errors import StepError
 from ..ir import StepProblem
-from ..model import activation_per_token, static_bytes
+from ..model import activation_per_token, stage_static_bytes, static_bytes
 
 PLAN_MARGIN = 0.97  # share of the free memory the planners fill (the attention plans' buffers take the rest)
+
+
+def model_bytes(problem: StepProblem) -> int:
+    """Model states per device: the whole model's (:func:`model.static_bytes`), or with a pipeline its
+    largest stage's (:func:`model.stage_static_bytes`)."""
+    m, mesh = problem.model, problem.mesh
+    if mesh.pp == 1:
+        return static_bytes(m, mesh.stage_devices)
+    layers = mesh.chunk_layers(m.layers)
+    C, P = mesh.chunks, mesh.pp
+    return max(stage_static_bytes(m, sum(layers[c] for c in range(s, C, P)), s == 0, (C - 1) % P == s,
+                                  mesh.stage_devices) for s in range(P))
 
 
 def tokens_per_device(problem: StepProblem) -> int:
     """Most tokens of one micro-batch a device can hold: ``PLAN_MARGIN`` × (cap − model states − reserve)
     / activation bytes per token (:func:`model.activation_per_token`); the verifier checks the real plan."""
     m, mesh = problem.model, problem.mesh
-    free = problem.cap - static_bytes(m, mesh.stage_devices) - mesh.reserve
+    static = model_bytes(problem)
+    free = problem.cap - static - mesh.reserve
     if free <= 0:
-        raise StepError(f"{m.name} does not fit on {mesh.stage_devices} devices of {problem.cap / 2**30:.0f} GiB: "
-                        f"its weights, gradients and sharded optimizer states take "
-                        f"{static_bytes(m, mesh.stage_devices) / 2**30:.1f} GiB a device")
+        where = f"{mesh.stage_devices} devices" + (f" a stage ({mesh.pp} stages)" if mesh.pp > 1 else "")
+        raise StepError(f"{m.name} does not fit on {where} of {problem.cap / 2**30:.0f} GiB: its weights, "
+                        f"gradients and sharded optimizer states take {static / 2**30:.1f} GiB a device")
     return int(PLAN_MARGIN * free // activation_per_token(m, mesh.recompute))
 
 

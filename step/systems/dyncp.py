@@ -77,8 +77,21 @@ Choices the survey leaves open, made here:
   group's ranks are free, so a round's end only waits where the next
   round's groups span ranks of several groups; ``round_slots`` (info) lists
   the first slot of every round so the full barrier can be priced
-  (benchmarks/dyncp_megatron.py does). PP and the VPP quota of the survey's
-  step 2 are not modelled (pp = 1).
+  (benchmarks/dyncp_megatron.py does).
+* Pipelines (``pp > 1``): the rounds' micro-batches run through the stages
+  by the step's schedule (:mod:`attnplan.step.pipeline`); the per-device
+  budget is at most the step's share for four micro-batches a stage
+  (:func:`common.micro_tokens`). With ``vp > 1`` the micro-batch count is
+  brought to a multiple of ``pp`` by splitting micro-batches, as Megatron-LM's
+  dynamic-CP loader does (``align_sample_id_groups``, dev branch, 2026-08;
+  :func:`attnplan.step.pipeline.align_slots`). The survey's per-rank quota
+  ``W_i·(m_i·V + p − 1)`` is the interleaved 1F1B time of ``m_i`` equal
+  micro-batches whose forward and backward on one model chunk take ``W_i``;
+  the schedule simulation computes it exactly (a test checks it against the
+  closed form). Megatron-LM's code (main ``hybrid_cp_schedule.py``, dev
+  ``data_schedule_utils.py``) neither states nor uses it: its scheduler
+  balances each micro-batch step across the DP × CP ranks only (main asserts
+  ``pp = 1`` for hybrid CP; dev lifts that and aligns the micro-batch count).
 """
 
 from __future__ import annotations
