@@ -97,7 +97,13 @@ def place_spans(lens: np.ndarray, work: np.ndarray, devices: int, per_node: int,
     load = np.zeros(devices)
     target = grain * float(work.sum()) / max(1, devices)
     out: list[np.ndarray] = [np.zeros(0, np.int64)] * len(work)
+    one = np.asarray(lens, np.int64) < 4 * max(1, min_chunk)  # a single option: one device (span_options)
     for d in np.lexsort((np.arange(len(work)), -work)).tolist():
+        if one[d]:  # the least-loaded device (the lowest of equals), as _best_devices picks for k = 1
+            i = int(load.argmin())
+            load[i] += work[d]
+            out[d] = np.array([i], np.int64)
+            continue
         limit = max(target, float(load.max()))
         best = None
         for k in span_options(int(lens[d]), devices, per_node, min_chunk):
@@ -120,22 +126,22 @@ def span_segments(offsets: np.ndarray, lens: np.ndarray, span_devices: list[np.n
     a one-device document is one segment with key 0; a ``k``-device one its
     ``2k`` zigzag chunks, chunk ``j`` keyed by (its span's device tuple,
     ``j``) so that only chunks of one span and part share a group."""
-    starts, devs, keys = [], [], []
+    k_of = np.array([len(sd) for sd in span_devices], np.int64)
+    single = np.flatnonzero(k_of == 1)  # whole documents: one segment each, key 0 (vectorized: there may be 100k)
+    starts = [np.asarray(offsets, np.int64)[single]]
+    devs = [np.array([int(span_devices[d][0]) for d in single.tolist()], np.int64)]
+    keys = [np.zeros(len(single), np.int64)]
     span_id: dict[tuple, int] = {}
     m = 2 * devices
-    for off, length, sd in zip(offsets.tolist(), lens.tolist(), span_devices):
+    for d in np.flatnonzero(k_of > 1).tolist():
+        off, length, sd = int(offsets[d]), int(lens[d]), span_devices[d]
         k = len(sd)
-        if k == 1:
-            starts.append(np.array([off], np.int64))
-            devs.append(sd)
-            keys.append(np.zeros(1, np.int64))
-            continue
         sid = span_id.setdefault(tuple(sd.tolist()), len(span_id) + 1)
-        b = chunk_bounds(int(length), 2 * k)
+        b = chunk_bounds(length, 2 * k)
         starts.append(off + b[:-1])
         devs.append(sd[zigzag_device(np.arange(2 * k), k)])
         keys.append(sid * m + np.arange(2 * k, dtype=np.int64))
-    if not starts:
+    if not len(offsets):
         return np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
     s, v, key = np.concatenate(starts), np.concatenate(devs), np.concatenate(keys)
     order = np.argsort(s, kind="stable")  # empty chunks repeat a start; the stable sort keeps the non-empty last
