@@ -48,6 +48,7 @@ from .divide import Divide
 from .emit import Emit
 from .hypergraph import HypergraphPlacement
 from .minheap import MinHeap
+from .span import Span
 from .per_doc import PerDoc
 from .tile import Tile
 from .tile_pool import TilePool
@@ -57,7 +58,7 @@ from .zigzag import Zigzag
 
 BUILTIN: dict[str, type[Pass]] = {cls.name: cls for cls in (
     Tile,                                               # token blocks per sample, the block graph
-    Zigzag, PerDoc, Ulysses, Usp, MinHeap, HypergraphPlacement, TilePool, Dacp,   # placement strategies
+    Zigzag, PerDoc, Ulysses, Usp, MinHeap, HypergraphPlacement, TilePool, Dacp, Span,   # placement strategies
     Comm, Overlap, Divide,                              # transfers, their overlap, stages
     Emit,                                               # lowering to per-device programs
 )}

@@ -1,0 +1,186 @@
+"""span: every document on the fewest devices that pay off, inside one node
+whenever it fits — cost-aware per-document placement for micro-batches that
+are small against their group (issue 30, lever 2).
+
+Per-document sharding over all ``N`` devices (``per_doc``, Skrull's
+distributed documents in ``dacp``) makes every device gather every
+document's KV, and at 4+ nodes that traffic crosses the slow links: with
+8 heads / 2 kv heads a 128K batch on 32 H100s is ~0.4 ms of compute
+against ~130 MB of KV per device. Most of those documents do not need 32
+devices: a document whose work is a small share of a device's even share
+runs best whole on one device (no traffic at all, as DACP's local
+documents), and one a few times a device's share needs only a few devices —
+of one node, where the links are 8x faster and an all-gather's latency is
+half. Only a document larger than a node's share must cross nodes.
+
+The rule (pure functions below; Graham's LPT, Graham 1969, over the
+documents' pieces, as Skrull's and WLB-LLM's balancers are):
+
+1. **span** of each document, from its attention work ``P`` (exact allowed
+   pairs) against the even share ``W / N`` of the batch's work ``W``: the
+   fewest devices ``k`` with ``P / k <= grain * W / N`` (:func:`doc_spans`),
+   at most ``length / (2 * min_chunk)`` (a per-document zigzag chunk shorter
+   than the kernel's query tile wastes the rest of the tile), rounded up to
+   whole nodes when it exceeds a node's devices (a document larger than a
+   node's share spans ``ceil(k / per_node)`` nodes).
+2. **place** the documents by decreasing work (:func:`place_spans`): a
+   multi-node document on the least-loaded nodes (all their devices); a
+   document of ``k <= per_node`` devices on the ``k`` least-loaded devices
+   of the node where that leaves the smallest maximum; one of one device on
+   the least-loaded device. Loads add ``P / k`` to each device of the span.
+3. **segments**: a document of one device is one segment there; one of
+   ``k`` devices is cut into ``2k`` zigzag chunks (chunk ``j`` and
+   ``2k-1-j`` on the span's ``j``-th device, WLB-LLM's per-document
+   sharding inside the span), so causal work is even across the span.
+   Compute runs where Q lives; ``comm`` moves the KV a device needs (p2p,
+   node relays for multi-node documents).
+
+Chunks of documents with the same span (device tuple) that play the same
+part share a varlen group (one token block that moves as one, as per_doc's
+chunk columns); whole documents of a device share one.
+``grain`` trades balance against traffic: smaller pieces balance better and
+move more. Deterministic: ties go to the lowest device, node and document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import PlanError
+from ..ir.groups import group_limit
+from ..ir.module import PlanIR
+from ..ir.place import chunk_bounds, place_segments, zigzag_device
+from .base import Pass, register
+from .dacp import doc_pairs
+
+
+def span_options(length: int, devices: int, per_node: int, min_chunk: int) -> list[int]:
+    """The spans a document of ``length`` tokens may take, fewest first:
+    ``1 .. per_node`` devices of one node, then whole nodes, none with a
+    zigzag chunk (``length / 2k`` tokens) shorter than ``min_chunk`` (one
+    device always)."""
+    cap = max(1, length // (2 * max(1, min_chunk)))
+    inside = list(range(1, min(per_node, devices, cap) + 1))
+    whole = [m * per_node for m in range(2, devices // per_node + 1) if m * per_node <= cap]
+    if per_node < devices and per_node not in inside and per_node <= cap:
+        whole.insert(0, per_node)
+    return inside + whole
+
+
+def _best_devices(load: np.ndarray, k: int, per_node: int) -> np.ndarray:
+    """The ``k`` devices a document of span ``k`` would take: for ``k`` up to
+    a node, the ``k`` least-loaded devices of the node where their busiest is
+    least loaded (ties: the node's total, then the lowest node); for whole
+    nodes, the ``k / per_node`` nodes whose busiest device is least loaded."""
+    nodes = len(load) // per_node
+    per = load.reshape(nodes, per_node)
+    if k > per_node:
+        pick = np.sort(np.lexsort((np.arange(nodes), per.sum(1), per.max(1)))[:k // per_node])
+        return (pick[:, None] * per_node + np.arange(per_node)[None, :]).ravel()
+    order = np.argsort(per, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(per, order, 1).max(1)
+    node = int(np.lexsort((np.arange(nodes), per.sum(1), top))[0])
+    return np.sort(node * per_node + order[node])
+
+
+def place_spans(lens: np.ndarray, work: np.ndarray, devices: int, per_node: int, grain: float,
+                min_chunk: int) -> list[np.ndarray]:
+    """The devices of every document (rules 1 and 2 of the module doc): by
+    decreasing work (ties: document index), each takes the fewest devices
+    (:func:`span_options`) after which its busiest device holds at most
+    ``target = grain * W / N`` (or the busiest device's load so far, if
+    higher) — the largest span when none does; returns one sorted device
+    array per document, in document order."""
+    work = np.asarray(work, float)
+    load = np.zeros(devices)
+    target = grain * float(work.sum()) / max(1, devices)
+    out: list[np.ndarray] = [np.zeros(0, np.int64)] * len(work)
+    one = np.asarray(lens, np.int64) < 4 * max(1, min_chunk)  # a single option: one device (span_options)
+    for d in np.lexsort((np.arange(len(work)), -work)).tolist():
+        if one[d]:  # the least-loaded device (the lowest of equals), as _best_devices picks for k = 1
+            i = int(load.argmin())
+            load[i] += work[d]
+            out[d] = np.array([i], np.int64)
+            continue
+        limit = max(target, float(load.max()))
+        best = None
+        for k in span_options(int(lens[d]), devices, per_node, min_chunk):
+            devs = _best_devices(load, k, per_node)
+            top = float(load[devs].max()) + work[d] / k
+            if best is None or top < best[0]:
+                best = (top, devs)
+            if top <= limit * (1 + 1e-12):
+                break
+        assert best is not None
+        devs = best[1]
+        load[devs] += work[d] / len(devs)
+        out[d] = devs.astype(np.int64)
+    return out
+
+
+def span_segments(offsets: np.ndarray, lens: np.ndarray, span_devices: list[np.ndarray],
+                  devices: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Segment starts (sorted), their devices and varlen group keys (rule 3):
+    a one-device document is one segment with key 0; a ``k``-device one its
+    ``2k`` zigzag chunks, chunk ``j`` keyed by (its span's device tuple,
+    ``j``) so that only chunks of one span and part share a group."""
+    k_of = np.array([len(sd) for sd in span_devices], np.int64)
+    single = np.flatnonzero(k_of == 1)  # whole documents: one segment each, key 0 (vectorized: there may be 100k)
+    starts = [np.asarray(offsets, np.int64)[single]]
+    devs = [np.array([int(span_devices[d][0]) for d in single.tolist()], np.int64)]
+    keys = [np.zeros(len(single), np.int64)]
+    span_id: dict[tuple, int] = {}
+    m = 2 * devices
+    for d in np.flatnonzero(k_of > 1).tolist():
+        off, length, sd = int(offsets[d]), int(lens[d]), span_devices[d]
+        k = len(sd)
+        sid = span_id.setdefault(tuple(sd.tolist()), len(span_id) + 1)
+        b = chunk_bounds(length, 2 * k)
+        starts.append(off + b[:-1])
+        devs.append(sd[zigzag_device(np.arange(2 * k), k)])
+        keys.append(sid * m + np.arange(2 * k, dtype=np.int64))
+    if not len(offsets):
+        return np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
+    s, v, key = np.concatenate(starts), np.concatenate(devs), np.concatenate(keys)
+    order = np.argsort(s, kind="stable")  # empty chunks repeat a start; the stable sort keeps the non-empty last
+    return s[order], v[order], key[order]
+
+
+@register
+@dataclass(frozen=True, slots=True)
+class Span(Pass):
+    """Every document on the fewest devices that pay off, inside one node when it fits (module doc)."""
+
+    name = "span"
+    needs = ("graph",)
+    strategy = True
+    grain: float = 1.5   # a document's piece of work on a device at most grain x the even share W / N
+    min_chunk: int = 128  # tokens: no zigzag chunk shorter (the kernel's query tile)
+    varlen: int = -1     # tokens per varlen group (per_doc's option): -1 no cap, 0 no groups
+
+    def __post_init__(self):
+        if not 0.0 < self.grain <= 1e6:
+            raise PlanError(f"span: grain must be in (0, 1e6], got {self.grain}")
+        if self.min_chunk < 1:
+            raise PlanError(f"span: min_chunk must be >= 1 token, got {self.min_chunk}")
+        if self.varlen < -1:
+            raise PlanError(f"span: varlen must be -1 (no cap), 0 (no groups) or tokens, got {self.varlen}")
+
+    def columns(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Segment starts, devices and group keys of this batch (rules 1-3)."""
+        p = ir.problem
+        n = ir.devices
+        per_node = max(1, n // ir.nodes)
+        where = place_spans(p.seqlens, doc_pairs(p).astype(float), n, per_node, self.grain, self.min_chunk)
+        return span_segments(p.offsets[:-1], p.seqlens, where, n)
+
+    def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
+        """Segment starts and their devices (what :func:`place_segments` takes)."""
+        return self.columns(ir)[:2]
+
+    def apply(self, ir: PlanIR) -> PlanIR:
+        starts, devices, keys = self.columns(ir)
+        limit = group_limit(ir.need_graph(), self.varlen)
+        return place_segments(ir, starts, devices, group_key=keys, group_tokens=limit)
