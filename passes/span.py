@@ -1,6 +1,6 @@
 """span: every document on the fewest devices that pay off, inside one node
 whenever it fits — cost-aware per-document placement for micro-batches that
-are small against their group (issue 30, lever 2).
+are small against their group.
 
 Per-document sharding over all ``N`` devices (``per_doc``, Skrull's
 distributed documents in ``dacp``) makes every device gather every
