@@ -46,13 +46,15 @@ def micro_tokens(problem: StepProblem) -> int:
     """Most tokens of one micro-batch a device should hold: :func:`tokens_per_device` (memory), and with a
     pipeline (``pp > 1``) no more than the step's share for ``PIPELINE_MICRO · pp`` micro-batches per
     replica (so the 1F1B bubble stays near ``(p − 1) / (m + p − 1)`` with ``m ≥ 4p``), though never less
-    than the longest document over a CP group needs."""
+    than the longest document over a CP group needs nor than one token block (smaller micro-batches cost
+    more in launches and kernel tiles than their bubbles)."""
     cap = tokens_per_device(problem)
     mesh = problem.mesh
     if mesh.pp == 1:
         return cap
     share = -(-problem.tokens // (mesh.stage_devices * PIPELINE_MICRO * mesh.pp))
-    return max(1, min(cap, max(share, -(-int(problem.seqlens.max()) // mesh.cp))))
+    floor = max(problem.block_size, -(-int(problem.seqlens.max()) // mesh.cp))
+    return max(1, min(cap, max(share, floor)))
 
 
 def pipeline_micro(problem: StepProblem, micro: int) -> int:
