@@ -8,13 +8,14 @@ on CommonCrawl (low variance: 1.25x).
 Every github and commoncrawl batch of ../shared/workloads/batches.jsonl is
 planned with ``fixed`` (packed in data order, one CP size, zigzag) and
 ``dyncp`` (plus any ``--systems``) at ``llama-13b`` on 4 nodes × 8 H100
-(dp=4,cp=8 for the 512K batches, dp=8,cp=4 for the 128K ones; the blog ran
-PP=8 × CP=8, which attnplan does not simulate yet: pp = 1 here). Per batch:
+(dp=4,cp=8 for the 512K batches, dp=8,cp=4 for the 128K ones; ``--pp 8``
+adds eight pipeline stages of those, as the blog's PP=8 × CP=8). Per batch:
 the step time of each system and its speedup over ``fixed``; for ``dyncp``
 also the step time with Megatron's barrier at the end of every round
 (the step simulator only makes a micro-batch wait for its own group's
 ranks): rounds run one after another, each as long as its slowest group's
-micro-batches, and the exposed gradient reduction is kept. Then, per data
+micro-batches, and the exposed gradient reduction is kept (pp = 1 only).
+Then, per data
 set and budget, the geometric mean of the speedups.
 """
 
@@ -35,8 +36,8 @@ MODEL = "llama-13b"
 BLOG = {"github": 1.48, "commoncrawl": 1.25}
 
 
-def mesh_for(budget: int) -> Mesh:
-    return Mesh(dp=4, cp=8) if budget >= 512 * 1024 else Mesh(dp=8, cp=4)
+def mesh_for(budget: int, pp: int = 1) -> Mesh:
+    return Mesh(dp=4, cp=8, pp=pp) if budget >= 512 * 1024 else Mesh(dp=8, cp=4, pp=pp)
 
 
 def with_barrier(report: dict, mb_ranks: list[list[int]]) -> float:
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default=str(ROOT.parent / "shared" / "workloads" / "batches.jsonl"))
     ap.add_argument("--out", default="out/dyncp_megatron.json")
     ap.add_argument("--systems", default="", help="more systems to run beside fixed and dyncp (comma-separated)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (the blog: 8)")
     args = ap.parse_args(argv)
     batches = [json.loads(line) for line in Path(args.batches).read_text().splitlines() if line.strip()]
     batches = [b for b in batches if b["dist"] in BLOG]
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = []
     for b in batches:
-        mesh = mesh_for(int(b["budget"]))
+        mesh = mesh_for(int(b["budget"]), args.pp)
         row = {"batch": b["name"], "dist": b["dist"], "budget": b["budget"], "mesh": mesh.spec()}
         for name, system in [("fixed", "fixed"), ("dyncp", DynCP())] + [(s, s) for s in extra]:
             c = compile_step(make_problem(b["seqlens"], model=MODEL, mesh=mesh, profile="h100"), system)
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
                          "dp_imbalance": r["dp_imbalance"], "micro_batches": r["micro_batches"],
                          "plan_s": r["plan_s"], "info": r["info"]}
             if name == "dyncp":
-                row[name]["step_barrier_s"] = with_barrier(r, [c.plan.mb_ranks(m).tolist() for m in range(c.plan.n_mb)])
+                row[name]["step_barrier_s"] = r["step_s"] if args.pp > 1 else with_barrier(r, [c.plan.mb_ranks(m).tolist() for m in range(c.plan.n_mb)])
         for name in ["dyncp"] + extra:
             row[name]["speedup"] = row["fixed"]["step_s"] / row[name]["step_s"]
         row["dyncp"]["speedup_barrier"] = row["fixed"]["step_s"] / row["dyncp"]["step_barrier_s"]

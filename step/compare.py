@@ -94,6 +94,10 @@ def way_forward(error: str, mesh, planned: list[str]) -> str | None:
     return f"needs cp >= {need}" + (f": try {tries}" if tries else f": more than the {n} devices of a stage")
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def format_rows(rows: list[dict], mesh=None) -> str:
     """The comparison table; with a pipeline (any row with a schedule) a ``bubble`` column: the share of
     the compute span a stage idles, averaged over stages."""
@@ -116,7 +120,7 @@ def format_rows(rows: list[dict], mesh=None) -> str:
         name = r["system"] + ("*" if fallback else "")
         lines.append(f"{name:<14} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
                      f"{r['lower_bound_s'] * 1e3:>9.1f} {r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} "
-                     + (f"{r.get('bubble_ratio', 0.0):>6.1%} " if pipe else "")
+                     + (f"{_pct(r.get('bubble_ratio')):>6} " if pipe else "")
                      + f"{r['exposed_grad_s'] * 1e3:>7.1f} {r['peak_memory_bytes'] / 2**30:>8.1f} "
                      f"{r['memory_cap_bytes'] / 2**30:>5.0f} {r['plan_s']:>6.2f} {vs:>8}")
     return "\n".join(lines + notes)

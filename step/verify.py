@@ -245,6 +245,8 @@ def verify_lowered(plan: StepPlan, lowered: list[Lowered], peak: np.ndarray, pea
         m = int(peak_mb[d])
         where = f"micro-batch {m} ({int(plan.mb_tokens()[m]):,} tokens on {len(plan.mb_ranks(m))} devices)" \
             if m >= 0 else "no micro-batch (the model states alone)"
+        if plan.chunk_keep >= 1:
+            where += ", the K and V its document's chunks carry included"
         raise MemoryCapError(f"device {d} needs {peak[d] / 2**30:.1f} GiB in {where}, over its cap of "
                              f"{cap / 2**30:.1f} GiB ({len(over)} device(s) over)", device=d, micro_batch=m,
                              nbytes=int(peak[d]), cap=int(cap))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import BatchError, PlanError, StepError
 from ..step import Mesh, make_problem
-from ..step.compare import compare_systems, system_list
+from ..step.compare import _pct, compare_systems, system_list
 from .bench import ensure_out_dir, load_batches
 
 BIG = 512 * 1024                 # batches of at least this many tokens use the dp=4,cp=8 mesh
@@ -87,7 +87,7 @@ def table(rows: list[dict]) -> str:
         vs = f"{r['speedup_vs_fixed']:.2f}x" if "speedup_vs_fixed" in r else "-"
         out.append(f"{r['batch']:<{bw}} {r['system']:<{width}} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
                    f"{r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} "
-                   + (f"{r.get('bubble_ratio', 0.0):>6.1%} " if pipe else "") + f"{r['exposed_grad_s'] * 1e3:>7.1f} "
+                   + (f"{_pct(r.get('bubble_ratio')):>6} " if pipe else "") + f"{r['exposed_grad_s'] * 1e3:>7.1f} "
                    f"{r['peak_memory_bytes'] / 2**30:>8.1f} {r['plan_s']:>6.2f} {vs:>8}")
     return "\n".join(out)
 
@@ -143,7 +143,8 @@ def summary(rows: list[dict]) -> tuple[list[str], dict]:
                 every[r["system"]] = max(every.get(r["system"], 0.0), r["plan_s"])
         res["max_plan_s"] = every
         lines.append("largest plan time: " + ", ".join(f"{k} {v:.2f}s" for k, v in every.items())
-                     + f" (target <= {TARGET_PLAN_S} s): " + ("PASS" if max(every.values()) <= TARGET_PLAN_S else "FAIL"))
+                     + f" (target <= {TARGET_PLAN_S} s): "
+                     + ("PASS" if max(every.values()) <= TARGET_PLAN_S else "FAIL"))
     over = [r for r in rows if "error" not in r and r["peak_memory_bytes"] > r["memory_cap_bytes"]]
     res["over_cap"] = len(over)
     lines.append(f"rows with a device over its memory cap: {len(over)}")

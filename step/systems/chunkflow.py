@@ -26,11 +26,12 @@ reorganised into chunks of one size, scheduled through the pipeline.
 
 Choices the paper leaves to its user, made here:
 
-* ``chunk=0`` takes ``C`` from the mesh: the tokens a CP group holds under
-  the memory model (:func:`common.tokens_per_device` × cp) on one stage, and
-  with ``pp > 1`` at most the step's tokens / (dp · 4 · pp), so that every
-  replica has about four chunks per stage in flight (1F1B's bubble is
-  ``(p − 1) / (m + p − 1)``); rounded up to a multiple of the block size.
+* ``chunk=0`` takes ``C`` from the mesh: at most the tokens a CP group holds
+  under the memory model (:func:`common.tokens_per_device` × cp), and at
+  most the step's tokens / (dp · 4 · pp), so that every replica has about
+  four chunks per stage to run (1F1B's bubble is ``(p − 1) / (m + p − 1)``;
+  without a pipeline, chunks enough to balance the replicas); rounded up to
+  a multiple of the block size.
 * Inside a chunk: ``inner`` (default ``minheap``, which splits the short
   query side of a late chunk finest) on the replica's CP group; ChunkFlow
   itself runs without context parallelism (cp = 1).
@@ -163,9 +164,7 @@ class ChunkFlow(StepPass):
         if self.chunk:
             return self.chunk
         mesh = problem.mesh
-        size = tokens_per_device(problem) * mesh.cp
-        if mesh.pp > 1:
-            size = min(size, -(-problem.tokens // (mesh.dp * 4 * mesh.pp)))
+        size = min(tokens_per_device(problem) * mesh.cp, -(-problem.tokens // (mesh.dp * 4 * mesh.pp)))
         b = problem.block_size
         return max(b, -(-size // b) * b)
 
