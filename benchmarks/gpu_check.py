@@ -50,7 +50,7 @@ from attnplan.ir.program import BWD, FWD
 from attnplan.runtime import memory, varlen
 from attnplan.runtime.check import TOLERANCE, random_inputs, reference
 
-STRATEGIES = ("zigzag", "per_doc", "minheap", "hypergraph", "tile_pool", "ulysses", "dacp", "usp")
+STRATEGIES = tuple(attnplan.strategies())  # every registered placement strategy
 MASKS = ("causal", "sliding_window(200)", "streaming(64, 256)", "prefix_lm(300) & (k < q - 700 | k > q - 500)")
 SMALL = [1500, 700, 333, 200, 120, 64, 40, 23]  # 2,980 tokens: a long-tailed mix with a dominant document
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -137,8 +137,9 @@ def check_kernels(dev: str) -> None:
 # 2. equality to dense -------------------------------------------------------------------------
 
 @section("2. equality to dense attention")
-def check_equality(dev: str, quick: bool) -> None:
-    strategies = STRATEGIES[:3] if quick else STRATEGIES
+def check_equality(dev: str, quick: bool, only: str = "") -> None:
+    strategies = [s for s in STRATEGIES if s in only.split(",")] if only else (
+        STRATEGIES[:3] if quick else STRATEGIES)
     devices = (1, 2) if quick else (1, 2, 4, 8)
     refs: dict = {}
     rows, bad = [], 0
@@ -397,14 +398,76 @@ def check_hf(dev: str) -> None:
     REPORT["hf"] = {"rc": r.returncode, "tail": (r.stdout + r.stderr)[-1500:]}
 
 
+# 7. ChunkFlow's chunks ---------------------------------------------------------------------------
+
+@section("7. ChunkFlow chunks: a later chunk's cross-attention plan against dense attention")
+def check_chunks(dev: str, quick: bool) -> None:
+    """Every micro-batch of a ``chunkflow`` step plan whose documents were cut — a later chunk attends to
+    every earlier key of its document — run on ``dev`` (its attention plan on 2 virtual devices), forward and
+    backward, against dense causal attention of the document's rows in float64."""
+    from attnplan.runtime.executor import execute
+    from attnplan.step import Mesh, Model, compile_step, make_problem
+    lens = [1500, 300, 200] if quick else [9000, 3000, 700, 300]
+    model = Model("chunk-check", 2, 512, 8, 2, 64, 1024, 256)
+    c = compile_step(make_problem(lens, model=model, mesh=Mesh(1, 2), block_size=256),
+                     "chunkflow{chunk=1024}" if quick else "chunkflow{chunk=2048}")
+    plan = c.plan
+    say(f"{len(lens)} documents {lens}, chunk {plan.info_dict()['chunk']}, {plan.n_mb} micro-batches, "
+        f"{sum(plan.mb_prefix(m) > 0 for m in range(plan.n_mb))} of them later chunks")
+    g = torch.Generator().manual_seed(0)
+    docs = {d: [torch.randn(n, h, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2)]
+            for d, n in enumerate(lens)}
+    worst: dict[str, float] = {}
+    ptr = plan.mb_ptr()
+    for m, low in enumerate(c.lowered):
+        prefix = plan.mb_prefix(m)
+        if not prefix:
+            continue
+        f = int(ptr[m])
+        d, a, e = int(plan.frag_doc[f]), int(plan.frag_start[f]), int(plan.frag_end[f])
+        for dt in ("bfloat16", "float32"):
+            tdt = getattr(torch, dt)
+            q = docs[d][0][a:e].to(dev, tdt).requires_grad_(True)
+            k, v = (docs[d][i][:e].to(dev, tdt).requires_grad_(True) for i in (1, 2))
+            out = execute(low.ir, q, k, v)
+            dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+            out.backward(dout.to(dev, tdt))
+            qd, kd, vd = (docs[d][i][:e].clone().requires_grad_(True) for i in range(3))
+            ref = _dense_rows(qd, kd, vd)[a:e]
+            ref.backward(dout)
+            for name, got, want in (("out", out, ref), ("dq", q.grad, qd.grad[a:e]), ("dk", k.grad, kd.grad),
+                                    ("dv", v.grad, vd.grad)):
+                want = want.detach()
+                err = float((got.detach().double().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                worst[f"{dt} {name}"] = max(worst.get(f"{dt} {name}", 0.0), err)
+    tol = {"bfloat16": 4e-2, "float32": 1e-5}
+    bad = {k: v for k, v in worst.items() if v > tol[k.split()[0]]}
+    say("worst relative errors: " + ", ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items()))
+        + (f"; OVER TOLERANCE: {bad}" if bad else "; all within tolerance (bf16 4e-2, fp32 1e-5)"))
+    REPORT["chunks"] = {"worst": worst, "failures": len(bad)}
+    if bad:
+        REPORT.setdefault("failed", []).append("7. chunks")
+
+
+def _dense_rows(q, k, v):
+    """Dense causal attention over one document (GQA by repeating the KV heads), float64."""
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) / q.shape[-1] ** 0.5
+    n = q.shape[0]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batches", help="batches.jsonl (default: .device/ or ../shared/workloads/)")
     ap.add_argument("--quick", action="store_true", help="small cases (a CPU dry run)")
-    ap.add_argument("--only", default="123456", help="sections to run, e.g. 35")
+    ap.add_argument("--only", default="1234567", help="sections to run, e.g. 35")
     ap.add_argument("--profile", help="the calibrated profile of section 4 (plan calibrate --device cuda's JSON)")
+    ap.add_argument("--strategies", default="", help="section 2: only these strategies (comma-separated)")
     a = ap.parse_args(argv)
     global PROFILE_FILE
     PROFILE_FILE = a.profile
@@ -413,13 +476,15 @@ def main(argv=None) -> int:
     if "1" in a.only:
         check_kernels(a.device)
     if "2" in a.only:
-        check_equality(a.device, a.quick)
+        check_equality(a.device, a.quick, a.strategies)
     if "3" in a.only:
         check_efficiency(a.device, a.batches, a.quick)
     if "4" in a.only:
         check_predictions(a.device, a.batches, a.quick)
     if "6" in a.only:
         check_hf(a.device)
+    if "7" in a.only:
+        check_chunks(a.device, a.quick)
     say(f"\nkernel notes: {varlen.NOTES or 'none'}; total {time.perf_counter() - t0:.0f} s")
     REPORT.pop("_eff_plan", None)
     os.makedirs(a.out, exist_ok=True)

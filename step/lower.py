@@ -233,9 +233,8 @@ def query_tokens(ir: PlanIR, devices: int) -> np.ndarray:
         return np.bincount(pl.home, weights=g.tb_len, minlength=devices).astype(np.int64)
     q = ir.problem.query_index()
     inside = np.searchsorted(q, g.tb_end, "left") - np.searchsorted(q, g.tb_start, "left")
-    if g.tb_ptr is not None:
-        starts, ends = g.span_start, g.span_end
-        per_span = np.searchsorted(q, ends, "left") - np.searchsorted(q, starts, "left")
+    if g.tb_ptr is not None and g.span_start is not None and g.span_end is not None:
+        per_span = np.searchsorted(q, g.span_end, "left") - np.searchsorted(q, g.span_start, "left")
         inside = np.add.reduceat(per_span, g.tb_ptr[:-1]) if len(per_span) else inside
     return np.bincount(pl.home, weights=inside, minlength=devices).astype(np.int64)
 

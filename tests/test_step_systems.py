@@ -57,9 +57,14 @@ def test_every_system_partitions_the_batch_and_computes_dense_attention(case, sy
     lens, (dp, cp, per_node) = case
     c = compile_step(problem(lens, dp, cp, per_node), system)
     plan = c.plan
-    # the fragments partition the batch: every document once, whole (nothing queued by default)
-    assert sorted(plan.frag_doc.tolist()) == list(range(len(lens))) and not len(plan.queue_out)
-    assert (plan.frag_start == 0).all() and (plan.frag_end == np.asarray(lens)[plan.frag_doc]).all()
+    # the fragments partition the batch: every token once (nothing queued by default); every document
+    # whole unless the plan cuts documents into chunks that carry their KV (chunkflow)
+    covered = np.zeros(len(lens), np.int64)
+    np.add.at(covered, plan.frag_doc, plan.frag_len)
+    assert covered.tolist() == list(lens) and not len(plan.queue_out)
+    if plan.chunk_keep == 0:
+        assert sorted(plan.frag_doc.tolist()) == list(range(len(lens)))
+        assert (plan.frag_start == 0).all() and (plan.frag_end == np.asarray(lens)[plan.frag_doc]).all()
     check_execution(c)
 
 
@@ -338,5 +343,8 @@ def test_every_system_plans_a_batch_with_one_giant_document_or_says_why(case, sy
         assert "does not fit" in str(e) and "\n" not in str(e), str(e)
         return
     plan = c.plan
-    assert sorted(plan.frag_doc.tolist()) == list(range(len(lens))) and not len(plan.queue_out)
+    covered = np.zeros(len(lens), np.int64)
+    np.add.at(covered, plan.frag_doc, plan.frag_len)
+    assert covered.tolist() == list(lens) and not len(plan.queue_out)
+    assert plan.chunk_keep >= 1 or sorted(plan.frag_doc.tolist()) == list(range(len(lens)))
     check_execution(c)

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 
 from attnplan.errors import BatchError, PlanError, StepError
 from attnplan.runtime.executor import execute
-from attnplan.runtime.layout import local_index
 from attnplan.step import Mesh, Model, StepPass, build_plan, compile_step, make_problem, register_system, system_names
 from attnplan.step.stepfile import pack
 from attnplan.tools import step_loader as sl
@@ -93,7 +92,7 @@ def test_ranks_micro_batches_partition_the_step_with_labels_positions_and_weight
             for mb in step:
                 assert mb.ranks[mb.device] == r and mb.plan.devices == len(mb.ranks) == len(plan.mb_ranks(mb.index))
                 assert mb.group is None
-                assert len(local_index(mb.plan.ir, mb.device)) == mb.ids.numel() == mb.labels.numel()
+                assert len(sl.query_rows(mb.plan.ir, mb.device)) == mb.ids.numel() == mb.labels.numel()
                 for i, (d, p) in enumerate(zip(mb.doc_ids.tolist(), mb.position_ids.tolist())):
                     key = (d, p)
                     assert key not in seen, f"token {key} on two ranks"
@@ -120,14 +119,20 @@ class TinyNet(torch.nn.Module):
         self.qkv = torch.nn.Parameter(torch.randn(dim, (h + 2 * kv) * d, generator=g, dtype=torch.float64) / dim ** .5)
         self.out = torch.nn.Parameter(torch.randn(h * d, TINY.vocab, generator=g, dtype=torch.float64) / 8)
 
-    def forward(self, ids, pos, attn):
+    def qkv_of(self, ids, pos):
         h, kv, d = TINY.heads, TINY.kv_heads, TINY.head_dim
         x = self.emb[ids] @ self.qkv
         q, k, v = x.split([h * d, kv * d, kv * d], dim=-1)
         ang = pos.double()[:, None, None] * 0.1
-        q = q.view(-1, h, d) * torch.cos(ang)
-        k = k.view(-1, kv, d) * torch.cos(ang)
-        return attn(q, k, v.reshape(-1, kv, d)).reshape(len(ids), -1) @ self.out
+        return q.view(-1, h, d) * torch.cos(ang), k.view(-1, kv, d) * torch.cos(ang), v.reshape(-1, kv, d)
+
+    def forward(self, ids, pos, attn, keys=None):
+        """Logits of tokens ``ids`` at positions ``pos``; ``keys = (ids, pos)``: the K, V come from those
+        tokens (a later chunk's cross plan: its rows against its document up to its end)."""
+        q, k, v = self.qkv_of(ids, pos)
+        if keys is not None:
+            _, k, v = self.qkv_of(*keys)
+        return attn(q, k, v).reshape(len(ids), -1) @ self.out
 
 
 def dense_attention(lens):
@@ -156,15 +161,20 @@ def assert_dense_equal(ranks, docs):
     for m in range(plan.n_mb):
         mbs = {mb.device: mb for step in ranks for mb in step if mb.index == m}
         ir = mbs[0].plan.ir
-        n = int(ir.problem.seqlens.sum())
+        n = sum(plan.mb_seqlens(m))
         rows = {k: torch.zeros(n, dtype=torch.int64) for k in ("ids", "position_ids", "labels")}
         w = torch.zeros(n, dtype=torch.float64)
         for dev, mb in mbs.items():
-            idx = torch.from_numpy(local_index(ir, dev))
+            idx = torch.from_numpy(sl.query_rows(ir, dev))
             for k in rows:
                 rows[k][idx] = getattr(mb, k)
             w[idx] = mb.loss_weights.double()
-        logits = net(rows["ids"], rows["position_ids"], lambda q, k, v, ir=ir: execute(ir, q, k, v))
+        keys = None
+        if plan.mb_prefix(m):  # a later chunk of a cut document: its keys are the document up to its end
+            f = int(plan.mb_ptr()[m])
+            end = int(plan.frag_end[f])
+            keys = (torch.from_numpy(np.asarray(docs[int(plan.frag_doc[f])][:end], np.int64)), torch.arange(end))
+        logits = net(rows["ids"], rows["position_ids"], lambda q, k, v, ir=ir: execute(ir, q, k, v), keys)
         total = total + (F.cross_entropy(logits, rows["labels"].clamp_min(0), reduction="none") * w).sum()
     total.backward()
     got = [p.grad.clone() for p in net.parameters()]
@@ -408,3 +418,51 @@ def test_distributed_training_equals_dense_single_process_and_repeats_bitwise(ex
     assert max(wlb["micro_batches"]) >= 2  # gradient accumulation happened
     assert wlb["groups"] == 2  # the two CP groups, built once, reused every step
     assert mixed["groups"] == 5 and mixed["micro_batches"] == [3] * 3  # rank 0: [0], the world, [0, 1]
+
+
+def _pipeline_cfg(example):
+    """The CI size of the pipeline runs: 4 ranks as dp=1 × cp=2 × pp=2 (one layer a stage)."""
+    return dict(example.CONFIG, dp=1, cp=2, pp=2, steps=3, step_tokens=1024, max_doc=300, micro_tokens=320)
+
+
+PIPELINE_RUNS = [("wlb{max_tokens=320}", 0), ("chunkflow{chunk=128}", 0)]
+
+
+@pytest.mark.slow  # 4 gloo processes, each importing torch: about 40 s on an idle 2-core machine, more under load
+def test_pipeline_training_1f1b_and_chunkflow_equals_dense_single_process(example):
+    """pp=2 × cp=2: WLB-LLM's micro-batches under 1F1B and ChunkFlow's chunks (documents longer than the
+    chunk cut, the later chunks reading the earlier ones' K, V at every layer, their gradients flowing
+    back, dropped chunks recomputed) give every step's loss and the first step's gradients of every
+    stage's parameters of dense single-process training within 1e-5."""
+    from attnplan.step.pipeline import build_schedule
+    from attnplan.tools.launch import run_local
+    cfg = _pipeline_cfg(example)
+    res = run_local(f"{Path(__file__).resolve()}:_train_runs", 4, (cfg, PIPELINE_RUNS), timeout=400)
+    for r, x in enumerate(res):
+        assert x[0] == "ok", (r, x)
+    runs = [example.merge_ranks([x[1][i] for x in res]) for i in range(len(PIPELINE_RUNS))]
+    ref_grads: dict = {}
+    ref = example.train_reference(cfg, ref_grads)
+    names = {n for n, _ in example.make_model(cfg).named_parameters()}
+    assert set(ref_grads) == names
+    for (system, _), run in zip(PIPELINE_RUNS, runs):
+        assert len(run["losses"]) == len(ref) == 3
+        rel = max(abs(x - y) / abs(y) for x, y in zip(run["losses"], ref))
+        assert rel <= 1e-5, (system, run["losses"], ref)
+        assert set(run["grads"]) == names  # each stage gave its own parameters
+        assert example.largest_difference(run["grads"], ref_grads) <= 1e-5, system
+        assert len(run["kv_reads"]) == 3  # every step ran on the pipeline schedule
+    wlb, chunkflow = runs
+    assert max(wlb["micro_batches"]) >= 2 and sum(wlb["kv_reads"]) == 0
+    assert sum(chunkflow["kv_reads"]) >= 3 and sum(chunkflow["recomputes"]) >= 3  # carried KV, recompute ran
+    # the plans the ranks ran: documents cut into chunks (one into three), a ChunkFlow schedule
+    m = example.mesh(cfg)
+    cut = three = 0
+    for batch in example.global_batches(cfg):
+        problem = make_problem([len(d) for d in batch], model=example.step_model(cfg), mesh=m,
+                               block_size=cfg["block_size"])
+        plan = compile_step(problem, "chunkflow{chunk=128}").plan
+        assert plan.chunk_keep >= 1 and build_schedule(plan).kind == "chunkflow"
+        cut += int((plan.frag_start > 0).sum())
+        three += int(np.bincount(plan.frag_doc).max() >= 3)
+    assert cut >= 3 and three >= 1

@@ -137,7 +137,7 @@ def summary(rows: list[dict]) -> tuple[list[str], dict]:
     if bub:
         res["median_bubble"] = {k: statistics.median(v) for k, v in bub.items()}
         lines.append("median bubble ratio: " + ", ".join(f"{k} {statistics.median(v):.1%}" for k, v in bub.items()))
-        every = {}
+        every: dict[str, float] = {}
         for r in rows:
             if "error" not in r:
                 every[r["system"]] = max(every.get(r["system"], 0.0), r["plan_s"])

@@ -60,6 +60,15 @@ each other in opposite orders. A rank may hold no token of a micro-batch
 (a short document on a large group) and must still call its attention: its
 device may compute or forward blocks of others.
 
+**Pipelines and chunks.** With ``pp > 1`` the job has ``dp · cp · pp`` ranks; every stage runs the
+same micro-batches on the same stage-local groups, so a rank of stage ``s`` gets the micro-batches of its
+stage-local rank ``rank mod dp · cp``, the same tokens at every stage, with the process group of stage
+``s`` (global ranks ``s · dp · cp +`` the local group, :func:`stage_ranks`; built for every stage on every
+rank). A later chunk of a document cut by ChunkFlow has a cross plan (queries = its rows, keys = its
+document up to its end): a rank gets the rows of the chunk it homes on the query side
+(:func:`query_rows`); the key rows it homes (:func:`key_rows`) are K, V of the document the training
+loop carries from the earlier chunks (examples/train_step.py).
+
 Choices made here:
 
 * A system that queues documents for a later step (WLB-LLM's outlier queue,
@@ -287,6 +296,7 @@ class StepBatch:
     label_tokens: int       # over the whole step, every rank
     tokens: int             # tokens of the whole step
     digest: bytes           # sha256 of the step file: equal on every rank
+    stage: int = 0          # this rank's pipeline stage (its micro-batches are those of rank mod dp · cp)
 
     def __iter__(self) -> Iterator[MicroBatch]:
         return iter(self.micro_batches)
@@ -320,6 +330,33 @@ def step_label_tokens(plan: StepPlan) -> int:
     return int((plan.frag_len - (plan.frag_end == lens)).sum())
 
 
+def stage_ranks(local_ranks, stage: int, mesh: Mesh) -> tuple[int, ...]:
+    """The global ranks of a group of stage-local ranks on pipeline stage ``stage`` (``mesh.py``: global
+    rank = stage · dp · cp + local rank; every stage runs the same micro-batches on the same local groups)."""
+    n = mesh.stage_devices
+    return tuple(stage * n + int(r) for r in np.asarray(local_ranks).tolist())
+
+
+def query_rows(ir, device: int) -> np.ndarray:
+    """Rows of ``device``'s local layout as indices into the micro-batch's own token rows (its fragments'
+    tokens in order): the packed index of a self-attention plan; for a later chunk of a document (a cross
+    plan: queries = its rows, keys = the document up to its end) the index among the query tokens, its
+    key-side rows being KV only (:func:`key_rows`)."""
+    from ..runtime.layout import local_index, side_rows
+    if ir.problem.q_lens is None:
+        return local_index(ir, device)
+    return side_rows(ir, device, "q")[1]
+
+
+def key_rows(ir, device: int) -> np.ndarray | None:
+    """For a cross plan (a later chunk of a document), the key tokens ``device`` holds, as positions in
+    the document (key ``k`` is the document's token ``k``); None for a self-attention plan."""
+    from ..runtime.layout import side_rows
+    if ir.problem.q_lens is None:
+        return None
+    return side_rows(ir, device, "k")[1]
+
+
 class GroupCache:
     """torch.distributed groups by their global ranks, each built once and reused (see the module doc)."""
 
@@ -331,14 +368,18 @@ class GroupCache:
         return len(self._groups)
 
     def ensure(self, plan: StepPlan) -> None:
-        """Build the groups of ``plan`` not built yet, in the plan's group order: every rank calls this
-        with the same plan, so every rank calls ``new_group`` the same times in the same order."""
+        """Build the groups of ``plan`` not built yet, in the plan's group order, each on every pipeline
+        stage (stage ``s`` of a group of stage-local ranks ``G`` is the global ranks ``s · dp · cp + G``):
+        every rank calls this with the same plan, so every rank calls ``new_group`` the same times in the
+        same order."""
         import torch.distributed as dist
+        mesh = plan.problem.mesh
         for g in range(plan.n_groups):
-            key = tuple(int(r) for r in plan.group(g).tolist())
-            if key not in self._groups:
-                self._groups[key] = dist.group.WORLD if key == tuple(range(self.world)) else \
-                    dist.new_group(list(key))
+            for s in range(mesh.pp):
+                key = stage_ranks(plan.group(g), s, mesh)
+                if key not in self._groups:
+                    self._groups[key] = dist.group.WORLD if key == tuple(range(self.world)) else \
+                        dist.new_group(list(key))
 
     def get(self, ranks: tuple[int, ...]):
         if ranks not in self._groups:
@@ -350,7 +391,9 @@ class StepLoader:
     """Iterate :class:`StepBatch` es of this rank, planned ahead in ``workers`` processes (see the module doc).
 
     ``model``: an :class:`attnplan.step.Model`, a preset name or a JSON file (its heads, KV heads and
-    head dim are the attention plans'); ``mesh``: the :class:`attnplan.step.Mesh` (``dp · cp`` ranks);
+    head dim are the attention plans'); ``mesh``: the :class:`attnplan.step.Mesh` (``dp · cp · pp`` ranks:
+    a rank of pipeline stage ``s`` gets the micro-batches of its stage-local rank ``rank mod dp · cp``, whose
+    groups are that stage's global ranks, :func:`stage_ranks`);
     ``system``: a batch pass as text (``wlb``, ``gds``, ``pool{inner=minheap}`` ...); ``profile``, ``mask``,
     ``block_size``: as for :func:`attnplan.step.make_problem`. ``rank``: default the process's rank in
     the default group. ``workers``/``lookahead``: as for :class:`PlanPrefetcher` (``workers=0`` plans in
@@ -364,7 +407,7 @@ class StepLoader:
         self.opts = planning_options(model, mesh, system, profile, mask, block_size)
         self.model: Model = load_model(model)
         self.mesh = mesh
-        self.world = mesh.stage_devices
+        self.world = mesh.devices
         self.process_groups, self.check = bool(process_groups), bool(check)
         if process_groups:
             import torch.distributed as dist
@@ -382,6 +425,7 @@ class StepLoader:
                 or not 0 <= rank < self.world:
             raise StepError(f"StepLoader: rank must be an integer in 0..{self.world - 1}, got {rank!r:.40}")
         self.rank = int(rank)
+        self.stage, self.local_rank = divmod(self.rank, mesh.stage_devices)
         self.groups = GroupCache(self.world)
         self._index = 0
         self._chain: _Chain | None = None
@@ -442,15 +486,15 @@ class StepLoader:
         import torch
 
         from .plan import Plan
-        from ..runtime.layout import local_index
         total = step_label_tokens(plan)
         out = []
-        for m in plan.rank_order()[self.rank]:
-            ranks = tuple(int(r) for r in plan.mb_ranks(m).tolist())
-            device = ranks.index(self.rank)
+        for m in plan.rank_order()[self.local_rank]:
+            local = [int(r) for r in plan.mb_ranks(m).tolist()]
+            ranks = stage_ranks(local, self.stage, plan.problem.mesh)
+            device = local.index(self.local_rank)
             ir = attention[m]
             ids, labels, pos, doc = fragment_arrays(plan, m, docs)
-            idx = local_index(ir, device)
+            idx = query_rows(ir, device)
             lab = labels[idx]
             has = lab != IGNORE
             w = np.where(has, 1.0 / total, 0.0) if total else np.zeros(len(idx))
@@ -461,7 +505,7 @@ class StepLoader:
                 ids=torch.from_numpy(ids[idx]), labels=torch.from_numpy(lab),
                 loss_weights=torch.from_numpy(w.astype(np.float32)), position_ids=torch.from_numpy(pos[idx]),
                 doc_ids=torch.from_numpy(doc[idx]), label_tokens=int(has.sum())))
-        return StepBatch(index, name, self.rank, plan, tuple(out), total, plan.problem.tokens, digest)
+        return StepBatch(index, name, self.rank, plan, tuple(out), total, plan.problem.tokens, digest, self.stage)
 
     def close(self) -> None:
         """Stop the planning workers (the process groups stay: they belong to the default group)."""

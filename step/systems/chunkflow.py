@@ -112,7 +112,8 @@ def bubble_example(lengths, stages: int, chunk: int = 0, keep: int = 1, bwd_fact
         units = make_units(lens, chunk)
     else:
         units = [(i, [[(i, 0, int(n))]]) for i, n in enumerate(lens.tolist())]
-    times, chain_units = [], []
+    times: list[int] = []
+    chain_units: list[np.ndarray] = []
     for _, chunks in units:
         first = len(times)
         times += [sum(e - s for _, s, e in c) for c in chunks]
@@ -181,7 +182,8 @@ class ChunkFlow(StepPass):
             sizes = np.array([sum(work[d] for d in {d for c in u[1] for d, _, _ in c}) for u in units])
         replica = assign_replicas(sizes, mesh.dp)
         frags: list[tuple[int, int, int, int]] = []  # (doc, start, end, micro-batch)
-        mb_slot, mb_rep = [], []
+        mb_slot: list[int] = []
+        mb_rep: list[int] = []
         for r in range(mesh.dp):
             t = 0
             for u in np.flatnonzero(replica == r).tolist():
