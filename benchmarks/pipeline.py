@@ -2,15 +2,17 @@
 ``plan step bench`` per (model, pp) — 4 nodes × 8 devices a stage (dp=4,
 cp=8), h100, full recompute — and one summary table over all of them.
 
-    .venv/bin/python benchmarks/pipeline.py [--configs llama3-8b:2,llama3-8b:4,llama3-70b:4,llama3-70b:8] [--out D]
+    .venv/bin/python benchmarks/pipeline.py [--configs llama3-8b:2,llama3-8b:4,llama3-70b:4:h200,...] [--out D]
 
-Per (model, pp, system): batches planned (of 14), the median step / lower
+Per (model, pp, profile, system): batches planned (of 14), the median step / lower
 bound, the median bubble ratio (the share of its compute span a device
 idles), the median speedup over ``fixed``, the largest peak memory and the
-largest plan time. llama3-70b at pp = 4 leaves about 20K tokens a device
+largest plan time. llama3-70b at pp = 2 does not fit (143.7 GiB of model
+states a device). At pp = 4 on H100s it leaves about 20K tokens a device
 after its stage's weights, gradients and optimizer states, so a CP group of
 8 cannot hold a 60K-token document: the systems with fixed groups of cp
-devices refuse those batches, the ones that regroup (or cut) plan them.
+devices refuse those batches, the ones that regroup (or cut) plan them; on
+H200s (141 GB) every system plans every batch.
 """
 
 from __future__ import annotations
@@ -27,39 +29,41 @@ from attnplan.tools.step_bench import step_bench
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def summarize(model: str, pp: int, rows: list[dict]) -> list[str]:
+def summarize(head: str, rows: list[dict]) -> list[str]:
     out = []
     for system in dict.fromkeys(r["system"] for r in rows):
         mine = [r for r in rows if r["system"] == system]
         ok = [r for r in mine if "error" not in r]
         if not ok:
-            out.append(f"| {model} | {pp} | {system} | 0 of {len(mine)} | - | - | - | - | - |")
+            out.append(f"| {head} | {system} | 0 of {len(mine)} | - | - | - | - | - |")
             continue
         vs = [r["speedup_vs_fixed"] for r in ok if "speedup_vs_fixed" in r]
-        out.append(f"| {model} | {pp} | {system} | {len(ok)} of {len(mine)} | "
+        out.append(f"| {head} | {system} | {len(ok)} of {len(mine)} | "
                    f"{statistics.median(r['step_over_lower_bound'] for r in ok):.2f} | "
                    f"{statistics.median(r['bubble_ratio'] for r in ok):.1%} | "
                    + (f"{statistics.median(vs):.2f}x" if vs else "-") + " | "
-                   f"{max(r['peak_memory_bytes'] for r in ok) / 2**30:.1f} | {max(r['plan_s'] for r in ok):.2f} |")
+                   f"{max(r['peak_memory_bytes'] for r in ok) / 2**30:.1f} / {ok[0]['memory_cap_bytes'] / 2**30:.0f} | "
+                   f"{max(r['plan_s'] for r in ok):.2f} |")
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default=str(ROOT.parent / "shared" / "workloads" / "batches.jsonl"))
-    ap.add_argument("--configs", default="llama3-8b:2,llama3-8b:4,llama3-70b:4,llama3-70b:8")
+    ap.add_argument("--configs", default="llama3-8b:2,llama3-8b:4,llama3-70b:4,llama3-70b:4:h200,llama3-70b:8",
+                    help="model:pp[:profile] items (profile default h100)")
     ap.add_argument("--out", default="out/pipeline")
     args = ap.parse_args(argv)
     names = [b["name"] for b in load_batches(args.batches, None) if sum(b["seqlens"]) >= 512 * 1024]
     t0 = time.perf_counter()
-    lines = ["| model | pp | system | planned | step/LB (median) | bubble (median) | vs fixed (median) | "
-             "peak GiB (max, cap 80) | plan s (max) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | pp | profile | system | planned | step/LB (median) | bubble (median) | vs fixed (median) | "
+             "peak / cap GiB | plan s (max) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for cfg in args.configs.split(","):
-        model, pp = cfg.split(":")
-        res = step_bench(args.batches, "all", f"{args.out}/{model}-pp{pp}", names=names, model=model,
-                         pp=int(pp), show_progress=False,
+        model, pp, profile = (cfg.split(":") + ["h100"])[:3]
+        res = step_bench(args.batches, "all", f"{args.out}/{model}-pp{pp}-{profile}", names=names, model=model,
+                         pp=int(pp), profile=profile, show_progress=False,
                          log=lambda s: print(s[:160], file=sys.stderr, flush=True))
-        lines += summarize(model, int(pp), res["rows"])
+        lines += summarize(f"{model} | {pp} | {profile}", res["rows"])
     print("\n".join(lines))
     print(f"\n({time.perf_counter() - t0:.0f} s)")
     return 0
