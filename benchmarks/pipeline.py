@@ -47,13 +47,32 @@ def summarize(head: str, rows: list[dict]) -> list[str]:
     return out
 
 
+def million_batches(path: str, out: str) -> str:
+    """A JSONL of 1M-token batches: every source's ``-512k-0`` and ``-512k-1`` batches joined in order."""
+    import json
+    batches = {b["name"]: b for b in load_batches(path, None)}
+    lines = []
+    for name, b in batches.items():
+        if name.endswith("-512k-0") and name[:-1] + "1" in batches:
+            lens = list(b["seqlens"]) + list(batches[name[:-1] + "1"]["seqlens"])
+            lines.append(json.dumps({"name": name[:-len("-512k-0")] + "-1m", "dist": b.get("dist", ""),
+                                     "budget": sum(lens), "seqlens": lens}))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("\n".join(lines) + "\n")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default=str(ROOT.parent / "shared" / "workloads" / "batches.jsonl"))
     ap.add_argument("--configs", default="llama3-8b:2,llama3-8b:4,llama3-70b:4,llama3-70b:4:h200,llama3-70b:8",
                     help="model:pp[:profile] items (profile default h100)")
     ap.add_argument("--out", default="out/pipeline")
+    ap.add_argument("--million", action="store_true", help="1M-token batches instead: each source's two 512K "
+                    "batches joined (seven batches)")
     args = ap.parse_args(argv)
+    if args.million:
+        args.batches = million_batches(args.batches, f"{args.out}/batches-1m.jsonl")
     names = [b["name"] for b in load_batches(args.batches, None) if sum(b["seqlens"]) >= 512 * 1024]
     t0 = time.perf_counter()
     lines = ["| model | pp | profile | system | planned | step/LB (median) | bubble (median) | vs fixed (median) | "

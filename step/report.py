@@ -1,6 +1,8 @@
 """The step report (``plan step compare ... --html F``): one self-contained
 HTML page — no script, no network, inline SVG and CSS — with the compare
-table and, per system, the per-rank timeline of the whole simulated step.
+table and, per system, the per-rank timeline of the whole simulated step
+(with a pipeline: every rank of every stage, its forward and backward ops
+as the schedule simulation placed them).
 
 Per rank (one row each) and per micro-batch it runs, between the
 micro-batch's simulated start and end (:func:`simulate.simulate_step`):
@@ -34,6 +36,7 @@ from .simulate import rates
 
 PHASES = (("lf", "linear forward", "#4e79a7"), ("af", "attention forward", "#f28e2b"),
           ("lb", "linear backward", "#76b7b2"), ("ab", "attention backward", "#e15759"),
+          ("pf", "pipeline forward op", "#59a14f"), ("pb", "pipeline backward op", "#edc948"),
           ("gr", "exposed gradient reduction", "#b07aa1"), ("id", "idle", "#e8e8e8"))
 WIDTH = 900.0      # pixels of the longest step among the systems
 ROW, GAP, LEFT = 9, 2, 60
@@ -54,9 +57,51 @@ def mb_phases(problem: StepProblem, low: Lowered) -> np.ndarray:
     return np.stack([lf, af, lb, ab], 1)
 
 
+def pipeline_segments(compiled) -> list[list[tuple[float, float, str, int]]]:
+    """With a pipeline schedule: per global rank (stage-major: stage ``s`` holds rows ``s·n .. s·n + n−1``),
+    every forward and backward op of its micro-batches on its stage's model chunks as simulated
+    (:mod:`attnplan.step.pipesim`), idle between them, then the exposed gradient reduction of its stage —
+    stages × time."""
+    plan, rep = compiled.plan, compiled.report
+    pipe = rep["pipeline"]
+    n, P = plan.problem.mesh.stage_devices, pipe["stages"]
+    start, end = np.asarray(pipe["mb_start_s"], float), np.asarray(pipe["mb_end_s"], float)
+    ops: list[list[tuple[float, float, str, int]]] = [[] for _ in range(n * P)]
+    for m in range(plan.n_mb):
+        for c in range(start.shape[1]):
+            s = c % P
+            for k, phase in ((0, "pf"), (1, "pb")):
+                for r in plan.mb_ranks(m).tolist():
+                    ops[s * n + r].append((float(start[m, c, k]), float(end[m, c, k]), phase, m))
+    out: list[list[tuple[float, float, str, int]]] = []
+    for g, row in enumerate(ops):
+        row.sort()
+        segs, t = [], 0.0
+        for t0, t1, phase, m in row:
+            if t0 > t:
+                segs.append((t, t0, "id", -1))
+            if t1 > t0:
+                segs.append((t0, t1, phase, m))
+            t = max(t, t1)
+        done = float(pipe["stage_grad_end_s"][g // n])
+        if rep["compute_end_s"] > t:
+            segs.append((t, rep["compute_end_s"], "id", -1))
+            t = rep["compute_end_s"]
+        if done > t:
+            segs.append((t, done, "gr", -1))
+            t = done
+        if rep["step_s"] > t:
+            segs.append((t, rep["step_s"], "id", -1))
+        out.append(segs)
+    return out
+
+
 def rank_segments(compiled) -> list[list[tuple[float, float, str, int]]]:
     """Per global rank: ``(t0, t1, phase, micro-batch)`` segments covering ``[0, step_s]`` in order
-    (``-1``: not in a micro-batch). Zero-length segments are left out."""
+    (``-1``: not in a micro-batch). Zero-length segments are left out. A step on a pipeline schedule:
+    :func:`pipeline_segments`."""
+    if "pipeline" in compiled.report:
+        return pipeline_segments(compiled)
     plan, lowered, rep = compiled.plan, compiled.lowered, compiled.report
     p = plan.problem
     n = p.mesh.stage_devices

@@ -175,3 +175,27 @@ def test_c_level_stdout_of_a_solver_goes_to_stderr_while_systems_plan(capfd):
     print("after")
     out, err = capfd.readouterr()
     assert out == "after\n" and "raw fd write" in err and "buffered C write" in err
+
+
+def test_step_report_draws_stages_times_time_for_a_pipeline():
+    """With pp > 1 every rank of every stage has a row of its forward and backward ops as simulated, back to
+    back with idle time from 0 to the step time; an op's length is the schedule simulation's."""
+    problem = make_problem([700, 300, 250, 90, 40, 30, 12, 5], model="qwen2.5-0.5b",
+                           mesh=Mesh(dp=1, cp=2, pp=2, devices_per_node=2), block_size=64)
+    names = ["fixed", "chunkflow{chunk=256}"]
+    rows, done = compare_systems(problem, names)
+    page = render_step_html(problem, rows, done)
+    assert "pipeline forward op" in page and "class='pb'" in page
+    for name in names:
+        c = done[name]
+        step = c.report["step_s"]
+        segs = rank_segments(c)
+        assert len(segs) == problem.mesh.devices
+        pipe = c.report["pipeline"]
+        for row in segs:
+            assert row[0][0] == 0.0 and row[-1][1] == pytest.approx(step, rel=1e-12)
+            assert all(a[1] == pytest.approx(b[0], rel=1e-12, abs=1e-15) for a, b in zip(row, row[1:]))
+            ops = [(t0, t1) for t0, t1, ph, _ in row if ph in ("pf", "pb")]
+            assert ops and all(t1 > t0 for t0, t1 in ops)
+        starts = {round(t0, 15) for row in segs for t0, _, ph, _ in row if ph == "pf"}
+        assert starts <= {round(x, 15) for mb in pipe["mb_start_s"] for ch in mb for x in ch}
