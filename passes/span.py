@@ -39,7 +39,12 @@ Chunks of documents with the same span (device tuple) that play the same
 part share a varlen group (one token block that moves as one, as per_doc's
 chunk columns); whole documents of a device share one.
 ``grain`` trades balance against traffic: smaller pieces balance better and
-move more. Deterministic: ties go to the lowest device, node and document.
+move more. No one grain wins every batch (``plan bench``, h100, 2 kv heads:
+grain 2 is better on most 128K batches at 32 devices, grain 1–1.5 at 8
+devices and on the 512K batches at 32), so ``span{grain=1}`` and
+``span{grain=2}`` are the pass's ``variants``: ``auto`` searches them beside
+``span`` (grain 1.5) and keeps the one its simulation predicts fastest, and
+``plan bench --strategies all`` compiles all three. Deterministic: ties go to the lowest device, node and document.
 """
 
 from __future__ import annotations
@@ -156,6 +161,7 @@ class Span(Pass):
     name = "span"
     needs = ("graph",)
     strategy = True
+    variants = ("grain=1", "grain=2")  # auto and plan bench also try these (module doc)
     grain: float = 1.5   # a document's piece of work on a device at most grain x the even share W / N
     min_chunk: int = 128  # tokens: no zigzag chunk shorter (the kernel's query tile)
     varlen: int = -1     # tokens per varlen group (per_doc's option): -1 no cap, 0 no groups
