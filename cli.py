@@ -228,7 +228,7 @@ def _add_compare_bench(sub) -> None:
     bn.add_argument("--devices", type=_device_counts, default="8,32",
                     help=f"comma-separated device counts, each 1..{limits.MAX_DEVICES} (8 devices a node)")
     bn.add_argument("--strategies", default="all",
-                    help="all (every strategy and its variants: span{grain=1}, span{grain=2}) or comma-separated "
+                    help="all (every strategy and its variants: span{grain=1}, span{grain=2}, ...) or comma-separated "
                     "NAME, NAME{options}, NAME:VARIANT")
     _shape_args(bn, nodes=False)
     bn.add_argument("--out", default="out/bench", help="folder for bench.json, summary.txt and PNG plots "

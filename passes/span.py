@@ -40,11 +40,14 @@ part share a varlen group (one token block that moves as one, as per_doc's
 chunk columns); whole documents of a device share one.
 ``grain`` trades balance against traffic: smaller pieces balance better and
 move more. No one grain wins every batch (``plan bench``, h100, 2 kv heads:
-grain 2 is better on most 128K batches at 32 devices, grain 1–1.5 at 8
-devices and on the 512K batches at 32), so ``span{grain=1}`` and
-``span{grain=2}`` are the pass's ``variants``: ``auto`` searches them beside
-``span`` (grain 1.5) and keeps the one its simulation predicts fastest, and
-``plan bench --strategies all`` compiles all three. Deterministic: ties go to the lowest device, node and document.
+grain 1–1.5 on the 128K batches at 8 devices and on most 512K batches at 32;
+1.5–2 on most 128K batches at 32; 4 where one document dominates a 128K
+batch at 32, lmsys-128k-0 and libra-128k-1, whose pieces then cross fewer
+nodes), so ``span{grain=1}``, ``span{grain=2}`` and ``span{grain=4}`` are the
+pass's ``variants``: ``auto`` searches them beside ``span`` (grain 1.5) and
+keeps the one its simulation predicts fastest, and ``plan bench --strategies
+all`` compiles all four (adding 1.25, 2.5 and 3 too moved no median or worst
+there by more than 0.01). Deterministic: ties go to the lowest device, node and document.
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ class Span(Pass):
     name = "span"
     needs = ("graph",)
     strategy = True
-    variants = ("grain=1", "grain=2")  # auto and plan bench also try these (module doc)
+    variants = ("grain=1", "grain=2", "grain=4")  # auto and plan bench also try these (module doc)
     grain: float = 1.5   # a document's piece of work on a device at most grain x the even share W / N
     min_chunk: int = 128  # tokens: no zigzag chunk shorter (the kernel's query tile)
     varlen: int = -1     # tokens per varlen group (per_doc's option): -1 no cap, 0 no groups
