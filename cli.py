@@ -141,8 +141,9 @@ def _add_compile(sub) -> None:
     c.add_argument("--memory-cap", type=_int_in(1, limits.MAX_MEMORY_CAP), default=None,
                    help="bytes of buffers per device and phase")
     g = c.add_mutually_exclusive_group()
-    g.add_argument("--strategy", default="zigzag", help="a strategy, auto, or NAME:VARIANT (the strategy under "
-                   "another comm step: p2p, relay, direct, ring, allgather, allgather_ring, a2a)")
+    g.add_argument("--strategy", default="zigzag", help="a strategy, auto, NAME{options} (e.g. 'span{grain=2}'), "
+                   "or either as NAME:VARIANT (the strategy under another comm step: p2p, relay, direct, ring, "
+                   "allgather, allgather_ring, a2a)")
     g.add_argument("--pipeline", help="pass pipeline, e.g. 'tile{block=1024},zigzag,comm,emit'")
     c.add_argument("--no-verify", action="store_true", help="skip the verifier between passes")
     c.add_argument("-v", "--verbose", action="store_true", help="print each pass and its time")

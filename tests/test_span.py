@@ -175,3 +175,25 @@ def test_span_kinds_equal_dense(sched, lens, devices, nodes, grain):
     if grain == 0.25:  # the largest document crosses nodes: whole nodes of it
         big = homes[int(np.argmax(lens))]
         assert len(big) % per == 0 and len(big) > per
+
+
+def test_span_variants_are_strategy_entries():
+    """span's variants are what auto searches and plan bench compiles; an entry with options compiles as
+    the default pipeline with that strategy step, and its options are checked as a pipeline's are."""
+    from attnplan.api import default_pipeline
+    from attnplan.passes import strategy_entries, strategy_name
+    from attnplan.passes.comm import parse_entry
+    entries = strategy_entries()
+    assert {"span", "span{grain=1}", "span{grain=2}", "span{grain=4}"} <= set(entries)
+    assert all(strategy_name(e) in attnplan.strategies() for e in entries)
+    assert parse_entry("span{grain=2}:direct") == ("span{grain=2}", "mode=p2p,relay=none")
+    kw = dict(seqlens=[3000, 900, 64], devices=8, nodes=2, heads=4, kv_heads=2, head_dim=16, block_size=256)
+    named = attnplan.compile(strategy="span{grain=2}", **kw)
+    piped = attnplan.compile(pipeline=default_pipeline("span{grain=2}", 256), **kw)
+    for a, b in ((named.ir.placement.home, piped.ir.placement.home),
+                 (named.ir.placement.cb_device, piped.ir.placement.cb_device)):
+        assert np.array_equal(a, b)
+    assert named.meta["strategy"] == "span{grain=2}" and named.meta["pipeline"] == piped.meta["pipeline"]
+    for bad in ("span{grain=0}", "span{grian=2}", "span{grain=2},zigzag", "spam{grain=2}"):
+        with pytest.raises(attnplan.PlanError):
+            attnplan.compile(strategy=bad, **kw)
