@@ -87,10 +87,33 @@ def _best_devices(load: np.ndarray, k: int, per_node: int) -> np.ndarray:
     if k > per_node:
         pick = np.sort(np.lexsort((np.arange(nodes), per.sum(1), per.max(1)))[:k // per_node])
         return (pick[:, None] * per_node + np.arange(per_node)[None, :]).ravel()
-    order = np.argsort(per, axis=1, kind="stable")[:, :k]
-    top = np.take_along_axis(per, order, 1).max(1)
-    node = int(np.lexsort((np.arange(nodes), per.sum(1), top))[0])
-    return np.sort(node * per_node + order[node])
+    if nodes == 1:
+        node = 0
+    else:  # the busiest of a node's k least-loaded devices is its k-th smallest load
+        top = per.min(1) if k == 1 else np.partition(per, k - 1, axis=1)[:, k - 1]
+        node = int(np.lexsort((np.arange(nodes), per.sum(1), top))[0])
+    if k == 1:
+        return np.array([node * per_node + int(per[node].argmin())], np.int64)
+    return np.sort(node * per_node + np.argsort(per[node], kind="stable")[:k])
+
+
+def _span_tops(load: np.ndarray, per_node: int):
+    """For the current ``load``: a function of ``k`` giving the busiest
+    device's load on the span :func:`_best_devices` would pick for ``k``,
+    from one sort of the loads (so trying every ``k`` of a document costs
+    one sort, not one per ``k``)."""
+    nodes = len(load) // per_node
+    per = load.reshape(nodes, per_node)
+    srt = np.sort(per, axis=1)  # the k-th smallest of a node: the busiest of its k least-loaded devices
+    sums = per.sum(1)
+    node_ids = np.arange(nodes)
+    by_max = np.lexsort((node_ids, sums, srt[:, -1]))  # whole nodes, least-loaded busiest device first
+
+    def top(k: int) -> float:
+        if k > per_node:
+            return float(srt[by_max[:k // per_node], -1].max())
+        return float(srt[:, k - 1].min())
+    return top
 
 
 def place_spans(lens: np.ndarray, work: np.ndarray, devices: int, per_node: int, grain: float,
@@ -113,16 +136,21 @@ def place_spans(lens: np.ndarray, work: np.ndarray, devices: int, per_node: int,
             out[d] = np.array([i], np.int64)
             continue
         limit = max(target, float(load.max()))
-        best = None
+        if float(load.min()) + work[d] <= limit * (1 + 1e-12):  # one device suffices: span 1, the first option
+            devs = _best_devices(load, 1, per_node)
+            load[devs] += work[d]
+            out[d] = devs
+            continue
+        top_of = _span_tops(load, per_node)
+        best: tuple[float, int] | None = None
         for k in span_options(int(lens[d]), devices, per_node, min_chunk):
-            devs = _best_devices(load, k, per_node)
-            top = float(load[devs].max()) + work[d] / k
+            top = top_of(k) + work[d] / k
             if best is None or top < best[0]:
-                best = (top, devs)
+                best = (top, k)
             if top <= limit * (1 + 1e-12):
                 break
         assert best is not None
-        devs = best[1]
+        devs = _best_devices(load, best[1], per_node)
         load[devs] += work[d] / len(devs)
         out[d] = devs.astype(np.int64)
     return out

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import attnplan
 from attnplan.errors import PlanError
-from attnplan.passes.span import place_spans, span_options, span_segments
+from attnplan.passes.span import _best_devices, place_spans, span_options, span_segments
 
 
 def _helpers():
@@ -197,3 +197,41 @@ def test_span_variants_are_strategy_entries():
     for bad in ("span{grain=0}", "span{grian=2}", "span{grain=2},zigzag", "spam{grain=2}"):
         with pytest.raises(attnplan.PlanError):
             attnplan.compile(strategy=bad, **kw)
+
+
+def _place_spans_by_trying_each_span(lens, work, devices, per_node, grain, min_chunk):
+    """place_spans as first written: every span of a document placed by _best_devices and measured."""
+    load = np.zeros(devices)
+    target = grain * float(work.sum()) / devices
+    out = [None] * len(work)
+    for d in np.lexsort((np.arange(len(work)), -work)).tolist():
+        if lens[d] < 4 * min_chunk:
+            i = int(load.argmin())
+            load[i] += work[d]
+            out[d] = np.array([i])
+            continue
+        limit, best = max(target, float(load.max())), None
+        for k in span_options(int(lens[d]), devices, per_node, min_chunk):
+            devs = _best_devices(load, k, per_node)
+            top = float(load[devs].max()) + work[d] / k
+            if best is None or top < best[0]:
+                best = (top, devs)
+            if top <= limit * (1 + 1e-12):
+                break
+        load[best[1]] += work[d] / len(best[1])
+        out[d] = best[1]
+    return out
+
+
+@settings(max_examples=60)
+@given(lens=st.lists(st.integers(1, 3000), min_size=1, max_size=40),
+       shape=st.sampled_from([(1, 1), (4, 4), (8, 8), (8, 2), (16, 8), (24, 8), (32, 8), (6, 3)]),
+       grain=st.sampled_from([0.25, 1.0, 1.5, 2.0, 4.0]), min_chunk=st.sampled_from([1, 16, 128]))
+def test_place_spans_matches_trying_each_span(lens, shape, grain, min_chunk):
+    """The one-sort search of place_spans picks what placing every span with _best_devices picks."""
+    lens = np.asarray(lens)
+    work = lens * (lens + 1) / 2.0
+    devices, per_node = shape
+    got = place_spans(lens, work, devices, per_node, grain, min_chunk)
+    want = _place_spans_by_trying_each_span(lens, work, devices, per_node, grain, min_chunk)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
