@@ -97,13 +97,16 @@ def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, 
     p.add_argument("--profile", default="h100", help=profile_help)
 
 
-def _strategy_list(text: str) -> list[str]:
-    """``all`` or comma-separated entries: ``name`` or ``name:variant`` (tools/compare.py COMM_VARIANTS)."""
-    from .passes import strategies
+def _strategy_list(text: str, variants: bool = False) -> list[str]:
+    """``all`` (every strategy; with ``variants`` each strategy's variants too, ``span{grain=2}``: what
+    ``plan bench`` compiles) or comma-separated entries: ``name``, ``name{options}`` or either with
+    ``:variant`` (tools/compare.py COMM_VARIANTS)."""
+    from .passes import strategies, strategy_entries
     from .tools.compare import parse_entry
     if text == "all":
-        return list(strategies())
-    names = [s.strip() for s in text.split(",") if s.strip()]
+        return list(strategy_entries() if variants else strategies())
+    from .passes.base import _split_top
+    names = [s.strip() for s in _split_top(text) if s.strip()]  # commas inside {options} stay
     if not names:
         raise PlanError(f"no strategy in {text!r}; known: {', '.join(strategies())}")
     for n in names:
@@ -138,8 +141,9 @@ def _add_compile(sub) -> None:
     c.add_argument("--memory-cap", type=_int_in(1, limits.MAX_MEMORY_CAP), default=None,
                    help="bytes of buffers per device and phase")
     g = c.add_mutually_exclusive_group()
-    g.add_argument("--strategy", default="zigzag", help="a strategy, auto, or NAME:VARIANT (the strategy under "
-                   "another comm step: p2p, relay, direct, ring, allgather, allgather_ring, a2a)")
+    g.add_argument("--strategy", default="zigzag", help="a strategy, auto, NAME{options} (e.g. 'span{grain=2}'), "
+                   "or either as NAME:VARIANT (the strategy under another comm step: p2p, relay, direct, ring, "
+                   "allgather, allgather_ring, a2a)")
     g.add_argument("--pipeline", help="pass pipeline, e.g. 'tile{block=1024},zigzag,comm,emit'")
     c.add_argument("--no-verify", action="store_true", help="skip the verifier between passes")
     c.add_argument("-v", "--verbose", action="store_true", help="print each pass and its time")
@@ -224,7 +228,9 @@ def _add_compare_bench(sub) -> None:
                     help="masks separated by ';', e.g. 'causal;streaming(64,4096)'")
     bn.add_argument("--devices", type=_device_counts, default="8,32",
                     help=f"comma-separated device counts, each 1..{limits.MAX_DEVICES} (8 devices a node)")
-    bn.add_argument("--strategies", default="all")
+    bn.add_argument("--strategies", default="all",
+                    help="all (every strategy and its variants: span{grain=1}, span{grain=2}, ...) or comma-separated "
+                    "NAME, NAME{options}, NAME:VARIANT")
     _shape_args(bn, nodes=False)
     bn.add_argument("--out", default="out/bench", help="folder for bench.json, summary.txt and PNG plots "
                     "(created if missing; an existing file is an error)")
@@ -458,7 +464,7 @@ def _cmd_bench(args) -> int:
     from .frontend import load_mask
     from .tools.bench import bench
     path = _bench_batches(args)
-    strategies = _strategy_list(args.strategies)
+    strategies = _strategy_list(args.strategies, variants=True)
     for mask in args.masks:  # a typo fails now, not after minutes of benchmarking
         load_mask(mask)
     check_options(devices=1, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,

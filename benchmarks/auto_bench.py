@@ -46,7 +46,7 @@ from pathlib import Path
 import attnplan
 from attnplan.api import default_pipeline
 from attnplan.backends.cost import simulate
-from attnplan.passes import REGISTRY
+from attnplan.passes import REGISTRY, strategy_entries, strategy_name
 from attnplan.tools.auto import candidate_estimate, choice_key, estimate, has_direct
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,9 +64,10 @@ def compile_(seqlens, devices: int, mask: str, strategy: str):
 
 
 def candidates(devices: int) -> list[str]:
-    """What auto chooses from: every strategy, and on several nodes every p2p one without relays."""
-    names = list(attnplan.strategies())
-    direct = [f"{n}:direct" for n in names if REGISTRY[n].default_comm == "p2p"] if devices > 8 else []
+    """What auto chooses from: every strategy and its variants (span{grain=2}), and on several nodes every
+    p2p one without relays."""
+    names = list(strategy_entries())
+    direct = [f"{n}:direct" for n in names if REGISTRY[strategy_name(n)].default_comm == "p2p"] if devices > 8 else []
     return names + direct
 
 
@@ -90,7 +91,7 @@ def exhaustive(seqlens, devices: int, mask: str) -> dict:
         out[name] = {"compile_s": c, "simulate_s": time.perf_counter() - t, "predicted_s": pred,
                      "estimate_s": candidate_estimate(plan.ir, name, plan.profile),
                      "has_direct": ":" not in name and has_direct(name, estimate(plan.ir, plan.profile,
-                                                                                 REGISTRY[name].default_comm))}
+                                                                                 REGISTRY[strategy_name(name)].default_comm))}
     return out
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import PlanError
-from .base import REGISTRY, Pass, parse_pipeline, run_pipeline, strategies
+from .base import REGISTRY, Pass, parse_pipeline, run_pipeline, strategies, strategy_entries, strategy_name
 from .base import register as _register
 from .comm import Comm, Overlap
 from .dacp import Dacp
@@ -96,4 +96,5 @@ for _cls in BUILTIN.values():
     _register(_cls)
 
 __all__ = ["BUILTIN", "REGISTRY", "Pass", "parse_pipeline", "register", "run_pipeline", "strategies",
+           "strategy_entries", "strategy_name",
            "unregister"]

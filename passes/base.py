@@ -26,6 +26,7 @@ class Pass:
     needs: ClassVar[tuple[str, ...]] = ()  # IR levels that must exist before apply
     strategy: ClassVar[bool] = False       # a placement strategy (usable as --strategy NAME)
     default_comm: ClassVar[str] = "p2p"    # a strategy's communication mode in the default pipeline
+    variants: ClassVar[tuple[str, ...]] = ()  # a strategy's other options that auto and plan bench also try
 
     def apply(self, ir: PlanIR) -> PlanIR:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -43,6 +44,19 @@ def register(cls):
 def strategies() -> tuple[str, ...]:
     """Names of the registered placement strategies."""
     return tuple(sorted(n for n, c in REGISTRY.items() if c.strategy))
+
+
+def strategy_entries() -> tuple[str, ...]:
+    """Every registered strategy, and after each its ``variants`` as
+    ``name{options}`` (``span{grain=1}``): the placements ``auto`` searches
+    and ``plan bench --strategies all`` compiles."""
+    return tuple(e for n in strategies() for e in (n, *(f"{n}{{{v}}}" for v in REGISTRY[n].variants)))
+
+
+def strategy_name(entry: str) -> str:
+    """The registered strategy of an entry ``name``, ``name{options}`` or
+    either with ``:variant`` (``span{grain=2}:direct`` -> ``span``)."""
+    return entry.partition(":")[0].partition("{")[0].strip()
 
 
 def _convert(owner: str, field: dataclasses.Field, text: str, err: type[Exception] = PlanError):

@@ -57,7 +57,7 @@ from ..errors import PlanError
 from ..ir.module import PlanIR
 from ..ir.schedule import X_KV, X_O, X_Q, Schedule
 from ..ir.verify import needed_transfers
-from .base import Pass, register, strategies
+from .base import Pass, parse_pipeline, register, strategies
 
 
 MODES = ("p2p", "ring", "allgather", "allgather_ring", "a2a")
@@ -74,17 +74,23 @@ COMM_VARIANTS = {  # name:variant -> the options of the comm step
 
 
 def parse_entry(entry: str) -> tuple[str, str | None]:
-    """A strategy entry ``name`` or ``name:variant`` as (strategy, the
-    variant's comm step options or None); PlanError naming what is unknown."""
-    name, _, variant = entry.partition(":")
+    """A strategy entry ``name``, ``name{options}`` (``span{grain=2}``: the
+    strategy pass with those options) or either with ``:variant``, as (the
+    strategy step, the variant's comm step options or None); PlanError naming
+    what is unknown."""
+    head, _, variant = entry.partition(":")
+    name, brace, _ = head.partition("{")
     if name not in strategies():
         close = difflib.get_close_matches(name, list(strategies()) + ["auto"], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise PlanError(f"unknown strategy {name!r}{hint}; known: {', '.join(strategies())}, auto, or "
                         f"NAME:VARIANT with a variant of {', '.join(COMM_VARIANTS)}")
+    if brace:
+        if len(parse_pipeline(head)) != 1:  # its options checked as the pipeline will check them
+            raise PlanError(f"strategy entry {entry!r}: one strategy with its options, e.g. 'span{{grain=2}}'")
     if ":" in entry and variant not in COMM_VARIANTS:
         raise PlanError(f"unknown communication variant {variant!r} in {entry!r}; known: {', '.join(COMM_VARIANTS)}")
-    return name, (COMM_VARIANTS[variant] if ":" in entry else None)
+    return head, (COMM_VARIANTS[variant] if ":" in entry else None)
 
 
 def default_relay(mode: str) -> str:

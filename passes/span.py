@@ -39,7 +39,15 @@ Chunks of documents with the same span (device tuple) that play the same
 part share a varlen group (one token block that moves as one, as per_doc's
 chunk columns); whole documents of a device share one.
 ``grain`` trades balance against traffic: smaller pieces balance better and
-move more. Deterministic: ties go to the lowest device, node and document.
+move more. No one grain wins every batch (``plan bench``, h100, 2 kv heads:
+grain 1–1.5 on the 128K batches at 8 devices and on most 512K batches at 32;
+1.5–2 on most 128K batches at 32; 4 where one document dominates a 128K
+batch at 32, lmsys-128k-0 and libra-128k-1, whose pieces then cross fewer
+nodes), so ``span{grain=1}``, ``span{grain=2}`` and ``span{grain=4}`` are the
+pass's ``variants``: ``auto`` searches them beside ``span`` (grain 1.5) and
+keeps the one its simulation predicts fastest, and ``plan bench --strategies
+all`` compiles all four (adding 1.25, 2.5 and 3 too moved no median or worst
+there by more than 0.01). Deterministic: ties go to the lowest device, node and document.
 """
 
 from __future__ import annotations
@@ -79,10 +87,33 @@ def _best_devices(load: np.ndarray, k: int, per_node: int) -> np.ndarray:
     if k > per_node:
         pick = np.sort(np.lexsort((np.arange(nodes), per.sum(1), per.max(1)))[:k // per_node])
         return (pick[:, None] * per_node + np.arange(per_node)[None, :]).ravel()
-    order = np.argsort(per, axis=1, kind="stable")[:, :k]
-    top = np.take_along_axis(per, order, 1).max(1)
-    node = int(np.lexsort((np.arange(nodes), per.sum(1), top))[0])
-    return np.sort(node * per_node + order[node])
+    if nodes == 1:
+        node = 0
+    else:  # the busiest of a node's k least-loaded devices is its k-th smallest load
+        top = per.min(1) if k == 1 else np.partition(per, k - 1, axis=1)[:, k - 1]
+        node = int(np.lexsort((np.arange(nodes), per.sum(1), top))[0])
+    if k == 1:
+        return np.array([node * per_node + int(per[node].argmin())], np.int64)
+    return np.sort(node * per_node + np.argsort(per[node], kind="stable")[:k])
+
+
+def _span_tops(load: np.ndarray, per_node: int):
+    """For the current ``load``: a function of ``k`` giving the busiest
+    device's load on the span :func:`_best_devices` would pick for ``k``,
+    from one sort of the loads (so trying every ``k`` of a document costs
+    one sort, not one per ``k``)."""
+    nodes = len(load) // per_node
+    per = load.reshape(nodes, per_node)
+    srt = np.sort(per, axis=1)  # the k-th smallest of a node: the busiest of its k least-loaded devices
+    sums = per.sum(1)
+    node_ids = np.arange(nodes)
+    by_max = np.lexsort((node_ids, sums, srt[:, -1]))  # whole nodes, least-loaded busiest device first
+
+    def top(k: int) -> float:
+        if k > per_node:
+            return float(srt[by_max[:k // per_node], -1].max())
+        return float(srt[:, k - 1].min())
+    return top
 
 
 def place_spans(lens: np.ndarray, work: np.ndarray, devices: int, per_node: int, grain: float,
@@ -105,16 +136,21 @@ def place_spans(lens: np.ndarray, work: np.ndarray, devices: int, per_node: int,
             out[d] = np.array([i], np.int64)
             continue
         limit = max(target, float(load.max()))
-        best = None
+        if float(load.min()) + work[d] <= limit * (1 + 1e-12):  # one device suffices: span 1, the first option
+            devs = _best_devices(load, 1, per_node)
+            load[devs] += work[d]
+            out[d] = devs
+            continue
+        top_of = _span_tops(load, per_node)
+        best: tuple[float, int] | None = None
         for k in span_options(int(lens[d]), devices, per_node, min_chunk):
-            devs = _best_devices(load, k, per_node)
-            top = float(load[devs].max()) + work[d] / k
+            top = top_of(k) + work[d] / k
             if best is None or top < best[0]:
-                best = (top, devs)
+                best = (top, k)
             if top <= limit * (1 + 1e-12):
                 break
         assert best is not None
-        devs = best[1]
+        devs = _best_devices(load, best[1], per_node)
         load[devs] += work[d] / len(devs)
         out[d] = devs.astype(np.int64)
     return out
@@ -156,6 +192,7 @@ class Span(Pass):
     name = "span"
     needs = ("graph",)
     strategy = True
+    variants = ("grain=1", "grain=2", "grain=4")  # auto and plan bench also try these (module doc)
     grain: float = 1.5   # a document's piece of work on a device at most grain x the even share W / N
     min_chunk: int = 128  # tokens: no zigzag chunk shorter (the kernel's query tile)
     varlen: int = -1     # tokens per varlen group (per_doc's option): -1 no cap, 0 no groups

@@ -21,6 +21,7 @@ from attnplan.backends.planfile import FORMAT_VERSION, MAGIC, _HEADER, pack, pac
 from attnplan.errors import BatchError, PlanFileError
 from attnplan.ir.graph import BlockGraph
 from attnplan.ir.program import ADD, ATTN, ATTN_BWD, FWD, MERGE, Program
+from attnplan.passes import strategy_entries
 
 KW = dict(seqlens=[100, 37, 5], mask="sliding_window(20) | (k < 3 & k <= q)", devices=2, block_size=32,
           heads=4, kv_heads=2, head_dim=16)
@@ -714,14 +715,14 @@ def test_file_profile_stays_out_of_the_file(tmp_path, plan):
 
 # ------------------------------------------------------------------ reproducible files
 
-@pytest.mark.parametrize("strategy", list(attnplan.strategies()) + ["auto"])
+@pytest.mark.parametrize("strategy", list(strategy_entries()) + ["auto"])
 def test_every_strategy_gives_byte_identical_files(strategy):
     kw = dict(KW, strategy=strategy)
     a, b = attnplan.compile(**kw), attnplan.compile(**kw)
     assert a.to_bytes() == b.to_bytes()
     assert _load(a.to_bytes()).to_bytes() == a.to_bytes()
     if strategy == "auto":
-        assert set(a.meta["candidates"]) | set(a.meta["pruned"]) == set(attnplan.strategies())
+        assert set(a.meta["candidates"]) | set(a.meta["pruned"]) == set(strategy_entries())  # span{grain=2} too
 
 
 def test_byte_identical_files_across_processes(tmp_path):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import attnplan
 from attnplan.errors import PlanError
-from attnplan.passes.span import place_spans, span_options, span_segments
+from attnplan.passes.span import _best_devices, place_spans, span_options, span_segments
 
 
 def _helpers():
@@ -145,7 +145,7 @@ def test_span_plans_equal_dense(data):
     case = data.draw(h.cases(max_tokens=120))
     case.pop("strategy")
     sched = data.draw(st.sampled_from(SCHEDULES)) or "comm{mode=p2p,relay=node},overlap"
-    grain = data.draw(st.sampled_from([0.25, 0.5, 1.0, 1.5]))
+    grain = data.draw(st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0, 4.0]))  # 1, 1.5, 2, 4: what auto searches
     varlen = data.draw(st.sampled_from([-1, 0, 7]))
     case["schedule"] = None
     case["pipeline"] = (f"tile{{block={case.pop('block_size')}}},span{{grain={grain},min_chunk=1,varlen={varlen}}},"
@@ -175,3 +175,63 @@ def test_span_kinds_equal_dense(sched, lens, devices, nodes, grain):
     if grain == 0.25:  # the largest document crosses nodes: whole nodes of it
         big = homes[int(np.argmax(lens))]
         assert len(big) % per == 0 and len(big) > per
+
+
+def test_span_variants_are_strategy_entries():
+    """span's variants are what auto searches and plan bench compiles; an entry with options compiles as
+    the default pipeline with that strategy step, and its options are checked as a pipeline's are."""
+    from attnplan.api import default_pipeline
+    from attnplan.passes import strategy_entries, strategy_name
+    from attnplan.passes.comm import parse_entry
+    entries = strategy_entries()
+    assert {"span", "span{grain=1}", "span{grain=2}", "span{grain=4}"} <= set(entries)
+    assert all(strategy_name(e) in attnplan.strategies() for e in entries)
+    assert parse_entry("span{grain=2}:direct") == ("span{grain=2}", "mode=p2p,relay=none")
+    kw = dict(seqlens=[3000, 900, 64], devices=8, nodes=2, heads=4, kv_heads=2, head_dim=16, block_size=256)
+    named = attnplan.compile(strategy="span{grain=2}", **kw)
+    piped = attnplan.compile(pipeline=default_pipeline("span{grain=2}", 256), **kw)
+    for a, b in ((named.ir.placement.home, piped.ir.placement.home),
+                 (named.ir.placement.cb_device, piped.ir.placement.cb_device)):
+        assert np.array_equal(a, b)
+    assert named.meta["strategy"] == "span{grain=2}" and named.meta["pipeline"] == piped.meta["pipeline"]
+    for bad in ("span{grain=0}", "span{grian=2}", "span{grain=2},zigzag", "spam{grain=2}"):
+        with pytest.raises(attnplan.PlanError):
+            attnplan.compile(strategy=bad, **kw)
+
+
+def _place_spans_by_trying_each_span(lens, work, devices, per_node, grain, min_chunk):
+    """place_spans as first written: every span of a document placed by _best_devices and measured."""
+    load = np.zeros(devices)
+    target = grain * float(work.sum()) / devices
+    out = [None] * len(work)
+    for d in np.lexsort((np.arange(len(work)), -work)).tolist():
+        if lens[d] < 4 * min_chunk:
+            i = int(load.argmin())
+            load[i] += work[d]
+            out[d] = np.array([i])
+            continue
+        limit, best = max(target, float(load.max())), None
+        for k in span_options(int(lens[d]), devices, per_node, min_chunk):
+            devs = _best_devices(load, k, per_node)
+            top = float(load[devs].max()) + work[d] / k
+            if best is None or top < best[0]:
+                best = (top, devs)
+            if top <= limit * (1 + 1e-12):
+                break
+        load[best[1]] += work[d] / len(best[1])
+        out[d] = best[1]
+    return out
+
+
+@settings(max_examples=60)
+@given(lens=st.lists(st.integers(1, 3000), min_size=1, max_size=40),
+       shape=st.sampled_from([(1, 1), (4, 4), (8, 8), (8, 2), (16, 8), (24, 8), (32, 8), (6, 3)]),
+       grain=st.sampled_from([0.25, 1.0, 1.5, 2.0, 4.0]), min_chunk=st.sampled_from([1, 16, 128]))
+def test_place_spans_matches_trying_each_span(lens, shape, grain, min_chunk):
+    """The one-sort search of place_spans picks what placing every span with _best_devices picks."""
+    lens = np.asarray(lens)
+    work = lens * (lens + 1) / 2.0
+    devices, per_node = shape
+    got = place_spans(lens, work, devices, per_node, grain, min_chunk)
+    want = _place_spans_by_trying_each_span(lens, work, devices, per_node, grain, min_chunk)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))

@@ -85,6 +85,9 @@ than the best simulated plan's whole makespan cannot win.
    ``tests/test_auto.py`` checks the bounds and the choice. ``keep`` forces
    at least that many to be finished.
 
+Every registered strategy is searched, and each of its ``variants`` as a
+strategy of its own (``span{grain=1}``, ``span{grain=2}``: the strategy pass
+with those options, :func:`attnplan.passes.base.strategy_entries`).
 A placed strategy enters the search as one candidate per schedule auto
 tries for it (:func:`tails`): its default pipeline, and, for a p2p
 strategy on several nodes, ``name:direct`` (no node relays), each bounded
@@ -132,7 +135,7 @@ from ..ir.module import PlanIR
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers, verify
-from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategies
+from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategy_entries, strategy_name
 from ..passes.comm import default_relay, relay_rows, ring_kv
 from .auto_preview import SAMPLE_SEGMENTS, sample_docs, segment_bound
 from .auto_schedule import schedule_bound
@@ -283,9 +286,11 @@ class Placed:
 
 
 def _heads(kwargs: dict) -> dict[str, list]:
-    """Per strategy: the tile pass and the placement pass of its default pipeline."""
+    """Per strategy entry (each strategy and its ``variants``, ``span{grain=2}``): the tile pass and the
+    placement pass of its default pipeline."""
     from ..passes.default import default_pipeline
-    return {name: _split(parse_pipeline(default_pipeline(name, kwargs["block_size"])))[0] for name in strategies()}
+    return {name: _split(parse_pipeline(default_pipeline(name, kwargs["block_size"])))[0]
+            for name in strategy_entries()}
 
 
 def _run(ir: PlanIR, passes: list, kwargs: dict) -> PlanIR:
@@ -299,7 +304,7 @@ def place(name: str, tiled: PlanIR, strategy_pass, kwargs: dict, prof) -> Placed
     t0 = time.perf_counter()
     try:
         ir = _run(tiled, [strategy_pass], kwargs)
-        est = estimate(ir, prof, REGISTRY[name].default_comm)
+        est = estimate(ir, prof, REGISTRY[strategy_name(name)].default_comm)
     except PlanError as e:
         return Placed(name, error=_reason(e), seconds=time.perf_counter() - t0)
     return Placed(name, ir, est, seconds=time.perf_counter() - t0)
@@ -372,7 +377,7 @@ def has_direct(name: str, est: Estimate) -> bool:
     placement has the estimate ``est``): a p2p strategy whose node relays
     forward something. Where they forward nothing the two are the same
     transfers, and only ``name`` is a candidate (the exhaustive search too)."""
-    mode = REGISTRY[name].default_comm
+    mode = REGISTRY[strategy_name(name)].default_comm
     return mode == "p2p" and default_relay(mode) != "none" and est.relayed > 0
 
 
@@ -431,7 +436,7 @@ def candidate_estimate(ir: PlanIR, key: str, prof) -> float:
     ``name:direct``) from its placed or compiled IR (comm, overlap and emit
     change neither graph nor placement)."""
     name, _, variant = key.partition(":")
-    mode = REGISTRY[name].default_comm
+    mode = REGISTRY[strategy_name(name)].default_comm
     return estimate(ir, prof, mode, "none" if variant == "direct" else None).total_s
 
 
