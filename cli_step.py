@@ -81,7 +81,8 @@ def add_step_parser(sub) -> None:
     _problem_args(co)
     co.add_argument("--system", default="fixed", help="the batch-level system, e.g. wlb or pool{micro=2}")
     co.add_argument("-o", "--output", required=True, help="step plan file to write (F.step)")
-    sh = ss.add_parser("show", help="every fragment of a step plan file with its micro-batch and global ranks")
+    sh = ss.add_parser("show", help="every fragment of a step plan file with its micro-batch and global ranks, and "
+                       "with a pipeline every stage's schedule")
     sh.add_argument("step_file")
     sh.add_argument("--json", action="store_true")
     bn = ss.add_parser("bench", help="every system on every batch of a workload file (4 nodes x 8 devices): "
@@ -218,7 +219,8 @@ def _cmd_show(args) -> int:
         print(loaded.plan.to_text(limit=limits.MAX_SAMPLES))
         if loaded.plan.problem.mesh.pp > 1 or loaded.plan.chunk_keep >= 1:
             from .step.pipeline import build_schedule
-            print(build_schedule(loaded.plan).to_text(limit=limits.MAX_MICRO_BATCHES))
+            print(build_schedule(loaded.plan).to_text(limit=limits.MAX_MICRO_BATCHES,
+                                                      stage_devices=loaded.plan.problem.mesh.stage_devices))
     return 0
 
 

@@ -101,8 +101,9 @@ def _pct(x) -> str:
 def format_rows(rows: list[dict], mesh=None) -> str:
     """The comparison table; with a pipeline (any row with a schedule) a ``bubble`` column: the share of
     the compute span a stage idles, averaged over stages."""
-    pipe = any("bubble_ratio" in r for r in rows)
-    head = (f"{'system':<14} {'mb':>4} {'step ms':>9} {'bound ms':>9} {'step/LB':>7} {'DP imb':>6} "
+    pipe = any("bubble_ratio" in r for r in rows) or (mesh is not None and mesh.pp > 1)
+    w = max([14] + [len(str(r["system"])) + 1 for r in rows if "error" not in r])
+    head = (f"{'system':<{w}} {'mb':>4} {'step ms':>9} {'bound ms':>9} {'step/LB':>7} {'DP imb':>6} "
             + (f"{'bubble':>6} " if pipe else "")
             + f"{'grad ms':>7} {'peak GiB':>8} {'cap':>5} {'plan s':>6} {'vs fixed':>8}")
     lines = [head]
@@ -111,14 +112,14 @@ def format_rows(rows: list[dict], mesh=None) -> str:
     for r in rows:
         if "error" in r:
             hint = way_forward(r["error"], mesh, planned) if mesh is not None else None
-            lines.append(f"{r['system']:<14} {r['error']}" + (f"; {hint}" if hint else ""))
+            lines.append(f"{r['system']:<{w}} {r['error']}" + (f"; {hint}" if hint else ""))
             continue
         fallback = dict(r.get("info") or {}).get("fallback")
         if fallback:
             notes.append(f"* {r['system']}: {fallback}")
         vs = f"{r['speedup_vs_fixed']:.2f}x" if "speedup_vs_fixed" in r else "-"
         name = r["system"] + ("*" if fallback else "")
-        lines.append(f"{name:<14} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
+        lines.append(f"{name:<{w}} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "
                      f"{r['lower_bound_s'] * 1e3:>9.1f} {r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} "
                      + (f"{_pct(r.get('bubble_ratio')):>6} " if pipe else "")
                      + f"{r['exposed_grad_s'] * 1e3:>7.1f} {r['peak_memory_bytes'] / 2**30:>8.1f} "

@@ -124,8 +124,8 @@ def _stage_layers(v, chunks: int) -> tuple:
         return ()
     if not isinstance(v, (tuple, list)) or len(v) != chunks or any(
             isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 1 <= x <= MAX_LAYERS for x in v):
-        raise StepError(f"mesh: stage_layers must list {chunks} positive layer counts (one per model chunk, "
-                        f"pp x vp), got {v!r:.60}")
+        raise StepError(f"mesh: stage_layers must give one positive layer count per model chunk (pp x vp = "
+                        f"{chunks}), got {v!r:.60}")
     return tuple(int(x) for x in v)
 
 

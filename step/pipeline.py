@@ -77,10 +77,15 @@ class Schedule:
     def stage_ops(self, s: int) -> range:
         return range(int(self.op_ptr[s]), int(self.op_ptr[s + 1]))
 
-    def to_text(self, limit: int = 48) -> str:
+    def to_text(self, limit: int = 48, stage_devices: int = 0) -> str:
         """One line per stage: its ops as ``F3``/``B3`` (unit), ``.c`` the model chunk when ``vp > 1``,
-        ``R`` a backward that recomputes its forward first."""
-        lines = [f"schedule {self.kind}: {self.stages} stages x {self.vp} model chunks, {self.units} units"]
+        ``R`` a backward that recomputes its forward first; with ``stage_devices`` each stage's global ranks."""
+        def ranks(s: int) -> str:
+            n = stage_devices
+            return f" (ranks {s * n}..{s * n + n - 1})" if n > 1 else (f" (rank {s})" if n == 1 else "")
+        lines = [f"schedule {self.kind}: {self.stages} stages x {self.vp} model chunks, {self.units} units (a unit "
+                 f"is a slot: its micro-batches go through the stages together; F forward, B backward, R a "
+                 f"backward that first runs the forward again: the chunk dropped its activations)"]
         for s in range(self.stages):
             ops = []
             for i in self.stage_ops(s):
@@ -88,7 +93,7 @@ class Schedule:
                 tag = "F" if k == F else ("R" if self.recompute[u] else "B")
                 ops.append(f"{tag}{u}" + (f".{int(self.op_chunk[i]) // self.stages}" if self.vp > 1 else ""))
             more = f" ... ({len(ops)} ops)" if len(ops) > limit else ""
-            lines.append(f"  stage {s}: " + " ".join(ops[:limit]) + more)
+            lines.append(f"  stage {s}{ranks(s)}: " + " ".join(ops[:limit]) + more)
         return "\n".join(lines)
 
 

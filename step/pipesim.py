@@ -246,6 +246,15 @@ def stage_grad_end(plan: StepPlan, sch: Schedule, done: float, s: int, layers_s:
             first + layers_s * bucket + rest)
 
 
+def dp_imbalance(busy: np.ndarray, n: int) -> float:
+    """The largest over stages of (busiest device / mean device) among the stage's ``n`` data- and
+    context-parallel devices: how unevenly the replicas share the work, not how the layers split."""
+    per = busy.reshape(-1, n)
+    mean = per.mean(1)
+    ok = mean > 0
+    return float((per[ok].max(1) / mean[ok]).max()) if ok.any() else 1.0
+
+
 def simulate_pipeline(plan: StepPlan, lowered: list[Lowered], sch: Schedule | None = None) -> dict:
     """The step's report on its pipeline (module doc): the keys of
     :func:`attnplan.step.simulate.simulate_step` (per-rank lists over all ``dp · cp · pp`` ranks,
@@ -285,14 +294,13 @@ def simulate_pipeline(plan: StepPlan, lowered: list[Lowered], sch: Schedule | No
     stage_busy = [float(np.nansum(end[:, [c for c in range(C) if c % P == s]] - start[:, [c for c in range(C)
                                                                                           if c % P == s]]))
                   for s in range(P)]
-    mean_busy = float(busy.mean())
     return {
         "system": plan.system, "devices": n * P, "micro_batches": plan.n_mb, "max_slots": plan.n_slots(),
         "tokens": int(plan.frag_len.sum()), "tokens_queued": int(p.seqlens[plan.queue_out].sum()),
         "step_s": step, "compute_end_s": compute_end, "exposed_grad_s": step - compute_end,
         "grad_reduce_s": float(max(t for _, t in grad_end)), "lower_bound_s": lower,
         "step_over_lower_bound": step / lower if lower > 0 else 1.0,
-        "dp_imbalance": float(busy.max() / mean_busy) if mean_busy > 0 else 1.0,
+        "dp_imbalance": dp_imbalance(busy, n),
         "bubble_ratio": ratio,
         "peak_memory_bytes": int(peak.max()), "memory_cap_bytes": int(p.cap),
         "per_rank": {"busy_s": busy.tolist(), "peak_memory_bytes": peak.tolist(),

@@ -32,11 +32,13 @@ import numpy as np
 from .ir import StepProblem
 from .lower import Lowered
 from .model import LINEAR_BWD_FACTOR
+from .pipeline import recomputed_units
 from .simulate import rates
 
 PHASES = (("lf", "linear forward", "#4e79a7"), ("af", "attention forward", "#f28e2b"),
           ("lb", "linear backward", "#76b7b2"), ("ab", "attention backward", "#e15759"),
           ("pf", "pipeline forward op", "#59a14f"), ("pb", "pipeline backward op", "#edc948"),
+          ("pr", "pipeline backward op, its dropped forward recomputed first", "#ff9da7"),
           ("gr", "exposed gradient reduction", "#b07aa1"), ("id", "idle", "#e8e8e8"))
 WIDTH = 900.0      # pixels of the longest step among the systems
 ROW, GAP, LEFT = 9, 2, 60
@@ -67,10 +69,12 @@ def pipeline_segments(compiled) -> list[list[tuple[float, float, str, int]]]:
     n, P = plan.problem.mesh.stage_devices, pipe["stages"]
     start, end = np.asarray(pipe["mb_start_s"], float), np.asarray(pipe["mb_end_s"], float)
     ops: list[list[tuple[float, float, str, int]]] = [[] for _ in range(n * P)]
+    redo = recomputed_units(plan)
     for m in range(plan.n_mb):
+        back = "pr" if redo[plan.mb_slot[m]] else "pb"
         for c in range(start.shape[1]):
             s = c % P
-            for k, phase in ((0, "pf"), (1, "pb")):
+            for k, phase in ((0, "pf"), (1, back)):
                 for r in plan.mb_ranks(m).tolist():
                     ops[s * n + r].append((float(start[m, c, k]), float(end[m, c, k]), phase, m))
     out: list[list[tuple[float, float, str, int]]] = []
@@ -139,13 +143,16 @@ def _timeline_svg(name: str, compiled, scale: float) -> str:
     px = step * scale
     segs = rank_segments(compiled)
     n = len(segs)
+    piped = "pipeline" in rep  # rows stage by stage: stage s, stage-local rank r
+    stage_n = compiled.plan.problem.mesh.stage_devices
     h = n * (ROW + GAP) + 24
     parts = [f"<svg width='{LEFT + px + 40:.0f}' height='{h}' "
              f"data-system='{html.escape(name, quote=True)}' data-step-s='{step!r}' data-px='{px!r}' "
              f"role='img'><title>{html.escape(name)}: per-rank timeline, step {_fmt_s(step)}</title>"]
     for r, row in enumerate(segs):
         y = r * (ROW + GAP)
-        parts.append(f"<g data-rank='{r}'><text x='{LEFT - 4}' y='{y + ROW - 1}' class='lab'>rank {r}</text>")
+        label = f"s{r // stage_n} r{r % stage_n}" if piped else f"rank {r}"
+        parts.append(f"<g data-rank='{r}'><text x='{LEFT - 4}' y='{y + ROW - 1}' class='lab'>{label}</text>")
         for t0, t1, phase, m in row:
             tip = f"mb {m}: " if m >= 0 else ""
             parts.append(f"<rect class='{phase}' x='{LEFT + t0 * scale:.2f}' y='{y}' "
@@ -164,6 +171,8 @@ def _table(rows: list[dict]) -> str:
             ("lower_bound_s", "lower bound"), ("step_over_lower_bound", "step / LB"), ("dp_imbalance", "DP imb."),
             ("exposed_grad_s", "exposed grad"), ("peak_memory_bytes", "peak memory"), ("memory_cap_bytes", "cap"),
             ("plan_s", "plan"), ("speedup_vs_fixed", "vs fixed")]
+    if any("bubble_ratio" in r for r in rows):
+        cols.insert(6, ("bubble_ratio", "bubble"))
     out = ["<table><tr>" + "".join(f"<th>{html.escape(t)}</th>" for _, t in cols) + "</tr>"]
     for r in rows:
         if "error" in r:
@@ -187,6 +196,8 @@ def _table(rows: list[dict]) -> str:
                 s = f"{v:.2f}x"
             elif key == "micro_batches":
                 s = str(int(v))
+            elif key == "bubble_ratio":
+                s = f"{v:.1%}"
             else:
                 s = f"{v:.3f}"
             cells.append(f"<td>{html.escape(s)}</td>")

@@ -195,7 +195,7 @@ def test_step_report_draws_stages_times_time_for_a_pipeline():
         for row in segs:
             assert row[0][0] == 0.0 and row[-1][1] == pytest.approx(step, rel=1e-12)
             assert all(a[1] == pytest.approx(b[0], rel=1e-12, abs=1e-15) for a, b in zip(row, row[1:]))
-            ops = [(t0, t1) for t0, t1, ph, _ in row if ph in ("pf", "pb")]
+            ops = [(t0, t1) for t0, t1, ph, _ in row if ph in ("pf", "pb", "pr")]
             assert ops and all(t1 > t0 for t0, t1 in ops)
         starts = {round(t0, 15) for row in segs for t0, _, ph, _ in row if ph == "pf"}
         assert starts <= {round(x, 15) for mb in pipe["mb_start_s"] for ch in mb for x in ch}

@@ -63,7 +63,7 @@ def test_mesh_text_takes_pp_and_vp_and_splits_layers():
         Mesh(1, 1, 2, stage_layers=(5, 3)).chunk_layers(9)
     with pytest.raises(StepError, match="need a pipeline"):
         Mesh(1, 1, 1, vp=2)
-    with pytest.raises(StepError, match="list 2 positive layer counts"):
+    with pytest.raises(StepError, match="one positive layer count per model chunk"):
         Mesh(1, 1, 2, stage_layers=(5,))
     with pytest.raises(StepError, match="cannot fill"):
         make_problem([10], model=TINY4, mesh=Mesh(1, 1, 4, vp=2))
