@@ -99,7 +99,8 @@ def to_body(ir: PlanIR, meta: dict, derive: bool = True) -> dict:
         "graph": _graph_body(g, derive),
         "placement": {"home": _arr(pl.home), "cb_device": _arr(pl.cb_device)},
         "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap,
-                     **({"collective": True} if s.collective else {})},  # absent: False (older files stay byte-equal)
+                     **({"collective": True} if s.collective else {}),  # absent: False (older files stay byte-equal)
+                     **({"reduce": True} if s.reduce else {})},
         "program": {"transfers": _arr(schema.transfers_body(g, prog.transfers)),
                     "messages": _arr(schema.messages_body(prog.transfers, prog.messages)),
                     "buffers": [[_arr(schema.buffers_body(g, ph, b)) for b in bufs]

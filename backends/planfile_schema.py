@@ -341,7 +341,10 @@ def schedule(sb, g: BlockGraph, devices: int) -> Schedule:
     collective = sb.get("collective", False)
     if collective is not True and collective is not False:
         fail(f"schedule.collective must be a boolean, got {_kind(collective)}")
-    return Schedule(stages, cb_stage, xfer, overlap, collective)
+    reduce = sb.get("reduce", False)
+    if reduce is not True and reduce is not False:
+        fail(f"schedule.reduce must be a boolean, got {_kind(reduce)}")
+    return Schedule(stages, cb_stage, xfer, overlap, collective, reduce)
 
 
 def _per_device(pr, key: str, devices: int) -> list:

@@ -113,16 +113,18 @@ ISA = (
     OpSpec(ATTN, "attn", ("cb", "q", "kv", "o"), (ARG_CB, ARG_BUF, ARG_BUF, ARG_BUF), (1, 2), (3,),
            (None, (B_Q,), (B_KV,), (B_O,)), (None, (HOME, RECVD), (HOME, RECVD), (HOME, PART)), (FWD,),
            "o ⊕= attention(q, kv) over compute block ``cb`` (online softmax)"),
-    OpSpec(MERGE, "merge", ("dst", "src"), (ARG_BUF, ARG_BUF), (1,), (0,),
-           ((B_O,), (B_O,)), ((HOME,), (RECVD,)), (FWD,),
-           "dst ⊕= src: a received partial output into its home (online-softmax merge, fp32)"),
+    OpSpec(MERGE, "merge", ("dst", "src"), (ARG_BUF, ARG_BUF), (0, 1), (0,),
+           ((B_O,), (B_O,)), ((HOME, PART), (RECVD,)), (FWD,),
+           "dst ⊕= src: a received partial output into its home, or into this device's own partial of the block "
+           "(a node reduce's aggregator; online-softmax merge, fp32)"),
     OpSpec(ATTN_BWD, "attn_bwd", ("cb", "q", "kv", "dq", "dkv"), (ARG_CB, ARG_BUF, ARG_BUF, ARG_BUF, ARG_BUF),
            (1, 2), (3, 4), (None, (B_Q,), (B_KV,), (B_DQ,), (B_DKV,)),
            (None, (HOME, RECVD), (HOME, RECVD), (HOME, PART), (HOME, PART)), (BWD,),
            "dq += ∂q, dkv += ∂kv of compute block ``cb``"),
-    OpSpec(ADD, "add", ("dst", "src"), (ARG_BUF, ARG_BUF), (1,), (0,),
-           ((B_DQ, B_DKV), (B_DQ, B_DKV)), ((HOME,), (RECVD,)), (BWD,),
-           "dst += src: a received partial gradient into its home (fp32)"),
+    OpSpec(ADD, "add", ("dst", "src"), (ARG_BUF, ARG_BUF), (0, 1), (0,),
+           ((B_DQ, B_DKV), (B_DQ, B_DKV)), ((HOME, PART), (RECVD,)), (BWD,),
+           "dst += src: a received partial gradient into its home, or into this device's own partial of the "
+           "block (a node reduce's aggregator; fp32)"),
 )
 if tuple(s.code for s in ISA) != tuple(range(len(ISA))):  # pragma: no cover - the table is ordered by opcode
     raise ImportError("attnplan.ir.program: ISA rows must be ordered by opcode")

@@ -444,13 +444,14 @@ def check_compute_operands(g, f: PhaseView) -> None:
 
 
 def check_merge_operands(f: PhaseView) -> None:
-    """merge / add take a received partial and the home buffer of the same block."""
+    """merge / add take a received partial and the home buffer of the same
+    block, or this device's own partial of it (a node reduce's aggregator)."""
     for op in (MERGE, ADD):
         dst, src = f.buffer(op, "dst"), f.buffer(op, "src")
         bad = first((f.bk[dst] != f.bk[src]) | (f.btb[dst] != f.btb[src]) | (f.bhg[dst] != f.bhg[src]))
         if bad is not None:
             f.fail(4, f.rows(op)[bad], f"merges {f.describe(src[bad])} into {f.describe(dst[bad])}: not a received "
-                                       f"partial and its home block")
+                                       f"partial and its home block or own partial")
 
 
 def check_message_operands(f: PhaseView) -> None:
@@ -564,8 +565,9 @@ def check_pair_order(f: PhaseView) -> None:
 def ready_times(f: PhaseView, wait_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per global buffer: the stream index after which it holds data (home:
     −1; received: the receiver's wait of its message; partial: its first
-    write; never: NEVER), and the index of its last write by a compute
-    instruction (−1: none). A buffer is received into at most once."""
+    write by a compute instruction; never: NEVER), and the index of its last
+    write by a compute, merge or add instruction (−1: none). A buffer is
+    received into at most once."""
     ready = np.full(len(f.B), NEVER, np.int64)
     ready[f.brole == HOME] = -1
     ts, sel = f.ts, f.tsel
@@ -578,10 +580,11 @@ def ready_times(f: PhaseView, wait_at: np.ndarray) -> tuple[np.ndarray, np.ndarr
     ready[gb] = wait_at[f.tmsg[sel], 1]
     first_w = np.full(len(f.B), NEVER, np.int64)
     last_w = np.full(len(f.B), -1, np.int64)
-    for op in (ATTN, ATTN_BWD):
+    for op in (ATTN, ATTN_BWD, MERGE, ADD):  # a partial holds data from its first compute write on
         for i in ISA[op].writes:
             w = f.buffer(op, ISA[op].operands[i])
-            np.minimum.at(first_w, w, f.index(op))
+            if op in (ATTN, ATTN_BWD):
+                np.minimum.at(first_w, w, f.index(op))
             np.maximum.at(last_w, w, f.index(op))
     part = f.brole == PART
     ready[part] = first_w[part]
@@ -617,7 +620,9 @@ def check_order(f: PhaseView, ready: np.ndarray, last_w: np.ndarray) -> None:
             if bad is None:
                 continue
             b = f.local(gb[bad])
-            if s.code in (MERGE, ADD):
+            if s.code in (MERGE, ADD) and name == "dst":
+                msg = f"merges into partial %{b} before this device computed any of it"
+            elif s.code in (MERGE, ADD):
                 msg = f"merges %{b} before its receive completed"
             else:
                 msg = f"{name.upper()} %{b} is read before its receive completed"

@@ -28,6 +28,8 @@ class Schedule:
     overlap: bool = False  # post stage s+1 transfers during stage s; send partials when final
     collective: bool = False  # comm{mode=a2a}: one stage, no overlap; each phase's data and its partials are one
     #                           all-to-all each (the runtime runs them as all_to_all_single, runtime/dist.py)
+    reduce: bool = False  # comm{reduce=node}: partials bound for another node are summed inside their node first,
+    #                       then cross once per (block, node) (emit derives the routes, passes/comm.reduce_rows)
 
     def __post_init__(self):
         self.cb_stage.setflags(write=False)
@@ -35,7 +37,7 @@ class Schedule:
 
     def to_text(self, limit: int = 40) -> str:
         lines = [f"schedule stages={self.stages} transfers={len(self.xfer)} overlap={self.overlap}"
-                 + (" collective=True" if self.collective else "")]
+                 + (" collective=True" if self.collective else "") + (" reduce=node" if self.reduce else "")]
         for k, tb, hg, s, d, st in self.xfer[:limit].tolist():
             lines.append(f"  stage {st}: {XFER_KIND_NAMES[k]}[tb{tb},hg{hg}] d{s} -> d{d}")
         if len(self.xfer) > limit:

@@ -374,6 +374,8 @@ def _check_xfer_table(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
     if s.collective and (s.stages != 1 or s.overlap):
         _fail(3, f"a collective schedule (comm{{mode=a2a}}) has one stage and no overlap; this one has {s.stages} "
                  f"stages, overlap={s.overlap}")
+    if s.collective and s.reduce:
+        _fail(3, "a collective schedule (comm{mode=a2a}) runs its partials as one all-to-all: it has no node reduce")
     x = s.xfer
     xt = np.ascontiguousarray(x.T)
     k, tb, hg, src, dst, st = (xt[c] for c in (XK, XTB, XHG, XSRC, XDST, XSTAGE))

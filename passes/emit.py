@@ -63,6 +63,7 @@ from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BWD,
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, Schedule
 from ..ir.verify import needed_transfers
 from .base import Pass
+from .comm import HOP_CROSS, reduce_rows
 
 _I64 = np.int64
 if (B_Q, B_KV) != (0, 1) or min(B_O, B_DQ, B_DKV) <= B_KV:  # pragma: no cover - _is_data relies on it
@@ -104,7 +105,10 @@ def _check_levels(ir: PlanIR) -> None:
 
 def _block_parts(ir: PlanIR) -> tuple[list, list]:
     """Every block that moves, per phase: (buffer kind, schedule rows
-    ``(kind, tb, hg, src, dst, stage)``) per kind (the partials' stage: the last)."""
+    ``(kind, tb, hg, src, dst, stage)``, hop of each row) per kind (the
+    partials' stage: the last). Data rows and, without a node reduce,
+    partials go straight (``HOP_DIRECT``); with ``schedule.reduce`` the
+    partials take the routes of :func:`attnplan.passes.comm.reduce_rows`."""
     g, pl, s = _levels(ir)
     x = s.xfer
     xk = x[:, XK]
@@ -112,7 +116,15 @@ def _block_parts(ir: PlanIR) -> tuple[list, list]:
     dkv = needed_transfers(g, pl)[X_KV]  # (tb, hg, home, device): reversed for dKV partials
     dkv = np.column_stack([np.full(len(dkv), X_KV), dkv[:, 0], dkv[:, 1], dkv[:, 3], dkv[:, 2],
                            np.full(len(dkv), s.stages - 1)]).reshape(-1, 6)
-    return [(B_Q, q), (B_KV, kv), (B_O, o)], [(B_Q, q), (B_KV, kv), (B_DQ, o), (B_DKV, dkv)]
+
+    def direct(rows):
+        return rows, np.zeros(len(rows), _I64)
+
+    def routed(rows):
+        return reduce_rows(rows, pl.devices_per_node) if s.reduce else direct(rows)
+    o_r, dkv_r = routed(o), routed(dkv)
+    return ([(B_Q, *direct(q)), (B_KV, *direct(kv)), (B_O, *o_r)],
+            [(B_Q, *direct(q)), (B_KV, *direct(kv)), (B_DQ, *o_r), (B_DKV, *dkv_r)])
 
 
 def _send_stages(ir: PlanIR, kind, tb, hg, src) -> np.ndarray:
@@ -144,8 +156,8 @@ def _send_stages(ir: PlanIR, kind, tb, hg, src) -> np.ndarray:
     return out
 
 
-def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """All transfers grouped into messages. Returns ``(X, tmsg, M, post, born)``:
+def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """All transfers grouped into messages. Returns ``(X, tmsg, M, post, born, cross)``:
     ``X`` the program's transfer table, rows ``(tag, phase, kind, tb, hg,
     src, dst, bytes, sbuf, rbuf)`` sorted by message (tags 0..n-1 in that
     order; ``sbuf``/``rbuf`` still 0: the phases fill them); ``tmsg`` the
@@ -153,7 +165,9 @@ def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     :class:`~attnplan.ir.program.Program`); ``post`` the stage at whose start
     both sides post each message; ``born`` the place of every transfer in its
     phase's table order (kind, then the schedule's order), which numbers the
-    receive buffers (a buffer table in block order compresses well)."""
+    receive buffers (a buffer table in block order compresses well);
+    ``cross`` whether each message carries a node reduce's sums across
+    (``HOP_CROSS``: sent after the aggregator merged, in messages of their own)."""
     _check_levels(ir)
     g, s, n = ir.graph, _levels(ir)[2], ir.devices
     S = s.stages
@@ -161,12 +175,14 @@ def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     msgs: list[np.ndarray] = []
     posts: list[np.ndarray] = []
     born: list[np.ndarray] = []
+    crosses: list[np.ndarray] = []
     for phase, parts in zip((FWD, BWD), _block_parts(ir)):
-        xs = np.concatenate([r for _, r in parts]).astype(_I64)
-        kind = np.repeat(np.array([k for k, _ in parts], _I64), [len(r) for _, r in parts])
+        xs = np.concatenate([r for _, r, _ in parts]).astype(_I64)
+        kind = np.repeat(np.array([k for k, _, _ in parts], _I64), [len(r) for _, r, _ in parts])
+        cross = np.concatenate([h for _, _, h in parts]) == HOP_CROSS
         R = np.empty((len(xs), T_COLS), _I64)
         at = 0
-        for k, r in parts:
+        for k, r, _ in parts:
             template = np.zeros(T_COLS, _I64)
             template[T_PHASE], template[T_KIND] = phase, k
             R[at:at + len(r)] = template  # whole rows: phase, kind, and sbuf/rbuf 0 until the phases fill them
@@ -177,10 +193,12 @@ def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
         data = _is_data(kind)
         part = np.flatnonzero(~data)
         stage[part] = _send_stages(ir, kind[part], xs[part, XTB], xs[part, XHG], src[part])
+        stage[cross] = S - 1  # a node's sum leaves after the aggregator's tail merged it
         post = np.where(data, np.maximum(stage - 1, 0) if s.overlap else stage, stage)
-        # the posting order of both sides: stage of posting, data before partials, stage, destination, source
-        # (any order of the last two would do; this one makes the smallest plan files)
-        key = (((post * 2 + ~data) * S + stage) * n + dst) * n + src
+        # the posting order of both sides: stage of posting, data before partials before sums across nodes,
+        # stage, destination, source (any order of the last two would do; this one makes the smallest plan files)
+        cls = np.where(data, 0, np.where(cross, 2, 1))
+        key = (((post * 3 + cls) * S + stage) * n + dst) * n + src
         order = np.argsort(key, kind="stable")
         key = key[order]
         new = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, bool)
@@ -188,6 +206,7 @@ def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
         born.append(order)
         msgs.append(np.cumsum(new) - 1 + sum((len(p) for p in posts), 0))
         posts.append(post[order][new])
+        crosses.append(cross[order][new])
     X = np.concatenate(tables)
     X[:, T_TAG] = np.arange(len(X))
     tmsg = np.concatenate(msgs)
@@ -198,7 +217,7 @@ def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     M[:, 1:4] = X[start][:, [T_PHASE, T_SRC, T_DST]]
     M[:, 4], M[:, 5] = start, np.append(start[1:], len(X))
     M[:, 6] = np.add.reduceat(X[:, T_BYTES], start) if nm else 0
-    return X, tmsg, M, np.concatenate(posts), np.concatenate(born)
+    return X, tmsg, M, np.concatenate(posts), np.concatenate(born), np.concatenate(crosses)
 
 
 def _is_data(kind: np.ndarray) -> np.ndarray:
@@ -273,6 +292,7 @@ class _Phase:
     msg_dst: np.ndarray       # ... their destination
     msg_data: np.ndarray      # ... whether they carry data (Q, KV) or partials
     post: np.ndarray          # message id -> the stage at whose start both sides post it
+    msg_cross: np.ndarray     # the phase's messages: whether they carry a node reduce's sums across (sent in the tail)
 
     @property
     def n_hg(self) -> int:
@@ -335,7 +355,7 @@ def _last_of_each(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def _phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.ndarray, born: np.ndarray,
-           phase: int) -> _Phase:
+           cross: np.ndarray, phase: int) -> _Phase:
     (g, pl, s), n = _levels(ir), ir.devices
     kinds = np.array((B_Q, B_KV, B_O) if phase == FWD else (B_Q, B_KV, B_DQ, B_DKV))
     tb = np.repeat(np.arange(g.n_tb), g.n_hg)
@@ -362,7 +382,7 @@ def _phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.
                   nbytes, rows, inc, rows[io], tmsg[rows[io]], ph[oo], rows[oo], tmsg[rows[oo]], m, n_home,
                   np.bincount(ph[:, T_DST], minlength=n),
                   inc_buf, recv_keys, recv_buf, msgs, M[msgs, M_SRC], M[msgs, M_DST],
-                  _is_data(X[M[msgs, M_START], T_KIND]), post)
+                  _is_data(X[M[msgs, M_START], T_KIND]), post, cross[msgs])
 
 
 # ---------------------------------------------------------------- buffer tables
@@ -567,7 +587,7 @@ def _partial_sends(sh: _Phase, c: _Compute) -> tuple[_Events, np.ndarray, np.nda
     _check_partials(sh, out, keys, c)
     srt = np.argsort(c.part_keys)
     pidx = srt[np.searchsorted(c.part_keys[srt], keys)]  # each transfer's partial
-    p = ~sh.msg_data
+    p = ~sh.msg_data & ~sh.msg_cross  # a node's sums across are sent from the tail (_tail)
     msg, src, dst = sh.msgs[p], sh.msg_src[p], sh.msg_dst[p]
     if sh.schedule.overlap:
         last = np.full(len(sh.post), -1, _I64)
@@ -612,26 +632,49 @@ def _program_order(ev: _Events):
     return (dev[keep], code[keep]), waited
 
 
-def _tail(sh: _Phase, waited: np.ndarray) -> _Events:
+def _tail(sh: _Phase, c: _Compute, waited: np.ndarray) -> _Events:
     """After the last stage: wait each message of partials and merge its
-    blocks (in message order), wait data messages never read there, wait
-    own sends."""
+    blocks (in message order) — into the home buffer, or, on a node
+    reduce's aggregator, into its own partial of the block; then send the
+    node's sums across (messages of ``HOP_CROSS`` rows, packed from the
+    aggregator's partials), wait and merge the
+    sums it receives; then wait data messages never read there and its own
+    sends. A sum is sent only after every message of partials sent from a
+    compute section arrived, and those never wait for a tail: no cycle."""
     inc = sh.inc
     p = np.flatnonzero(~_is_data(inc[:, T_KIND]))
     at_home = sh.home[inc[p, T_TB]] == inc[p, T_DST]
-    if not at_home.all():
-        t = inc[p[np.argmin(at_home)]]
-        raise VerifyError(f"emit: device {t[T_DST]} {sh.where}: receives partial {KINDS[t[T_KIND]]}"
-                          f"[tb{t[T_TB]},hg{t[T_HG]}] (transfer t{t[T_TAG]}) for a block that is not home there")
-    merge = np.where(inc[p, T_KIND] == B_O, MERGE, ADD)
-    home_b = sh.home_index(inc[p, T_KIND], inc[p, T_TB], inc[p, T_HG])
     pd, pm = inc[p, T_DST], sh.inc_msg[p]
-    part, data = ~sh.msg_data, sh.msg_data
-    ev = [_Events.make(sh.msg_dst[part], 0, 0, sh.msgs[part], 0, 0, _code(WAIT, sh.msgs[part])),
-          _Events.make(pd, 0, 0, pm, 1, p, _code(merge, home_b, sh.inc_buf[p]))]
+    cross_in = sh.msg_cross[np.searchsorted(sh.msgs, pm)]
+    bad = ~at_home & cross_in
+    if bad.any():
+        t = inc[p[np.argmax(bad)]]
+        raise VerifyError(f"emit: device {t[T_DST]} {sh.where}: receives a node's sum {KINDS[t[T_KIND]]}"
+                          f"[tb{t[T_TB]},hg{t[T_HG]}] (transfer t{t[T_TAG]}) for a block that is not home there")
+    dst_b = np.empty(len(p), _I64)
+    dst_b[at_home] = sh.home_index(inc[p[at_home], T_KIND], inc[p[at_home], T_TB], inc[p[at_home], T_HG])
+    if (~at_home).any():  # a gathered partial: into the aggregator's own partial of the block
+        g = p[~at_home]
+        want = sh.key(inc[g, T_DST], inc[g, T_KIND], inc[g, T_TB], inc[g, T_HG])
+        srt = np.argsort(c.part_keys)
+        pos = np.minimum(np.searchsorted(c.part_keys[srt], want), max(len(srt) - 1, 0))
+        found = (c.part_keys[srt[pos]] == want) if len(srt) else np.zeros(len(want), bool)
+        if not found.all():
+            t = inc[g[np.argmin(found)]]
+            raise VerifyError(f"emit: device {t[T_DST]} {sh.where}: receives partial {KINDS[t[T_KIND]]}"
+                              f"[tb{t[T_TB]},hg{t[T_HG]}] (transfer t{t[T_TAG]}) for a block that is neither home "
+                              f"there nor computed there")
+        dst_b[~at_home] = c.part_buf[srt[pos]]
+    merge = np.where(inc[p, T_KIND] == B_O, MERGE, ADD)
+    section = np.where(cross_in, 2, 0)
+    part, data, cross = ~sh.msg_data, sh.msg_data, sh.msg_cross
+    ev = [_Events.make(sh.msg_dst[part], 0, np.where(cross[part], 2, 0), sh.msgs[part], 0, 0,
+                       _code(WAIT, sh.msgs[part])),
+          _Events.make(pd, 0, section, pm, 1, p, _code(merge, dst_b, sh.inc_buf[p])),
+          _Events.make(sh.msg_src[cross], 0, 1, sh.msgs[cross], 0, 0, _code(SEND, sh.msgs[cross], sh.msg_dst[cross]))]
     unread = data & ~np.isin(sh.msgs, waited)
-    ev.append(_Events.make(sh.msg_dst[unread], 0, 1, sh.msgs[unread], 0, 0, _code(WAIT, sh.msgs[unread])))
-    ev.append(_Events.make(sh.msg_src, 0, 2, sh.msgs, 0, 0, _code(WAIT, sh.msgs)))
+    ev.append(_Events.make(sh.msg_dst[unread], 0, 3, sh.msgs[unread], 0, 0, _code(WAIT, sh.msgs[unread])))
+    ev.append(_Events.make(sh.msg_src, 0, 4, sh.msgs, 0, 0, _code(WAIT, sh.msgs)))
     return _Events.concat(ev)
 
 
@@ -649,15 +692,15 @@ def _streams(n_dev: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[np.
 
 
 def _emit_phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.ndarray, born: np.ndarray,
-                phase: int) -> tuple[list, list]:
+                cross: np.ndarray, phase: int) -> tuple[list, list]:
     """Every device's buffer table and instruction stream of one phase; fills
     the phase's source and receive buffer columns of ``X``."""
-    sh = _phase(ir, X, tmsg, M, post, born, phase)
+    sh = _phase(ir, X, tmsg, M, post, born, cross, phase)
     c = _compute(sh)
     posts, data_sb = _post_events(sh)
     sends, po, part_sb = _partial_sends(sh, c)
     body, waited = _program_order(_Events.concat(posts + _compute_events(sh, c) + [sends]))
-    tail = _tail(sh, waited).in_order()[:2]
+    tail = _tail(sh, c, waited).in_order()[:2]
     code = _streams(len(sh.n_home), [body, tail])
     X[sh.inc_row, T_RBUF] = sh.inc_buf
     X[sh.out_row[_is_data(sh.out[:, T_KIND])], T_SBUF] = data_sb
@@ -666,10 +709,10 @@ def _emit_phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post
 
 
 def emit(ir: PlanIR) -> Program:
-    X, tmsg, M, post, born = transfer_table(ir)
+    X, tmsg, M, post, born, cross = transfer_table(ir)
     bufs, code = [], []
     for phase in (FWD, BWD):
-        b, c = _emit_phase(ir, X, tmsg, M, post, born, phase)
+        b, c = _emit_phase(ir, X, tmsg, M, post, born, cross, phase)
         bufs.append(tuple(b))
         code.append(tuple(c))
     return Program(ir.devices, X, tuple(bufs), tuple(code), M)

@@ -151,18 +151,29 @@ def test_direct_variants_are_candidates_on_several_nodes():
     assert m["strategy"] == "auto:" + min(m["candidates"], key=lambda n: (m["candidates"][n], n))
 
 
-def test_direct_is_not_tried_where_the_relay_forwards_nothing():
-    """``name:direct`` is only a candidate where the default's node relays
-    forward something: otherwise the two schedules are the same plan."""
+def test_relay_and_direct_are_tried_only_where_they_are_other_plans():
+    """``name:relay`` (no node reduce) is a candidate only where the
+    default's reduce sums something and its relay forwards something, and
+    ``name:direct`` where either does: otherwise the schedules are the same
+    plan. Each candidate's estimate is that of its own comm step."""
     kw = dict(KW, devices=4, nodes=2)
     m = attnplan.compile(strategy="auto", **kw).meta
     prof = get_profile("h100")
     base = attnplan.compile(strategy="minheap", **kw).ir
     placed = auto.Placed("minheap", base, estimate(base, prof))
-    assert placed.estimate.relayed > 0 and [t[0] for t in auto.tails(placed, prof)] == ["minheap", "minheap:direct"]
-    quiet = auto.Placed("minheap", base, dataclasses.replace(placed.estimate, relayed=0))
-    assert [t[0] for t in auto.tails(quiet, prof)] == ["minheap"]
-    assert "minheap:direct" in set(m["candidates"]) | set(m["pruned"]) | set(m["estimates"])
+    est = placed.estimate
+    assert est.relayed > 0 and est.gathered > 0
+    assert [t[0] for t in auto.tails(placed, prof)] == ["minheap", "minheap:relay", "minheap:direct"]
+    for relayed, gathered, want in ((0, 5, ["minheap", "minheap:direct"]), (5, 0, ["minheap", "minheap:direct"]),
+                                    (0, 0, ["minheap"])):
+        other = auto.Placed("minheap", base, dataclasses.replace(est, relayed=relayed, gathered=gathered))
+        assert [t[0] for t in auto.tails(other, prof)] == want
+    for key in ("minheap:relay", "minheap:direct"):
+        assert key in set(m["candidates"]) | set(m["pruned"]) | set(m["estimates"])
+        plan = attnplan.compile(strategy=key, **kw)
+        assert auto.candidate_estimate(plan.ir, key, prof) <= simulate(plan.ir, prof)["predicted_s"] * (1 + 1e-9)
+    assert not attnplan.compile(strategy="minheap:relay", **kw).ir.schedule.reduce
+    assert attnplan.compile(strategy="minheap", **kw).ir.schedule.reduce
 
 
 def test_a_segment_strategy_over_the_block_limit_is_refused_before_placing():
@@ -235,12 +246,12 @@ def test_estimate_is_a_bound_over_exactly_the_plans_transfers(lens, devices, mas
 
 @settings(max_examples=10)
 @given(lens=st.lists(st.integers(1, 3000), min_size=1, max_size=8), devices=st.sampled_from([2, 4]),
-       mask=st.sampled_from(["causal", "full", "sliding_window(300)", PER_HEAD]))
-def test_the_merges_counted_are_the_merges_emitted(lens, devices, mask):
+       mask=st.sampled_from(["causal", "full", "sliding_window(300)", PER_HEAD]), two_nodes=st.booleans())
+def test_the_merges_counted_are_the_merges_emitted(lens, devices, mask, two_nodes):
     """The estimate's merge term, per device and phase, is exactly what the
     emitted program's merge/add instructions cost in the simulator (3 ×
     their buffer's bytes / mem_bw): emit merges every partial a placement
-    sends home, no more."""
+    sends home (on two nodes, through their node's aggregator), no more."""
     from attnplan.ir.program import A2, BBYTES, MERGE, OP
     from attnplan.ir.program import ADD as P_ADD
     from attnplan.ir.schedule import X_KV, X_O
@@ -248,11 +259,15 @@ def test_the_merges_counted_are_the_merges_emitted(lens, devices, mask):
     prof = get_profile("h100")
     for name in NAMES:
         try:
-            ir, full = placed(name, lens, devices, 1, mask)
+            ir, full = placed(name, lens, devices, 2 if two_nodes and devices == 4 else 1, mask)
         except attnplan.PlanError:
             continue
-        need = needed_transfers(ir.need_graph(), ir.need_placement())
-        want = auto._merges(ir.need_graph(), devices, prof, need[X_O], need[X_KV])
+        pl = ir.need_placement()
+        need = needed_transfers(ir.need_graph(), pl)
+        reduce = full.ir.schedule.reduce
+        o, _ = auto._partial_routes(need[X_O], pl, reduce)
+        dkv, _ = auto._partial_routes(need[X_KV][:, [0, 1, 3, 2]], pl, reduce)
+        want = auto._merges(ir.need_graph(), devices, prof, o, dkv)
         prog = full.ir.program
         for phase in (0, 1):
             for d, code in enumerate(prog.code[phase]):

@@ -166,7 +166,7 @@ def test_compare_runs_a_placement_under_each_communication_variant(capsys):
     assert code == 0, err
     rows = {r["strategy"]: r for r in json.loads(out)}
     assert list(rows) == entries.split(",")
-    assert "comm{mode=p2p,relay=node}" in rows["minheap"]["pipeline"]
+    assert "comm{mode=p2p,relay=node,reduce=node}" in rows["minheap"]["pipeline"]
     for variant, comm in (("direct", "mode=p2p,relay=none"), ("ring", "mode=ring"), ("allgather", "mode=allgather"),
                           ("allgather_ring", "mode=allgather_ring"),
                           ("a2a", "mode=a2a")):

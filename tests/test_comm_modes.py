@@ -148,7 +148,7 @@ def test_relay_is_the_p2p_default_and_spreads_over_the_nodes_links():
     devices (always the lowest device put them all on one link)."""
     lens = [200] * 8
     plan = _compile(lens, 8, 2, strategy="per_doc")
-    assert "comm{mode=p2p,relay=node}" in plan.meta["pipeline"]
+    assert "comm{mode=p2p,relay=node,reduce=node}" in plan.meta["pipeline"]
     assert "comm{mode=ring,relay=none}" in _compile(lens, 8, 2, strategy="zigzag").meta["pipeline"]
     explicit = _compile(lens, 8, 2, pipeline="tile{block=16},per_doc,comm{mode=p2p},emit")
     assert "relay=none" in explicit.meta["pipeline"] and explicit.ir.schedule.stages == 1

@@ -82,8 +82,10 @@ def schedules(draw):
     if draw(st.integers(0, 2)) == 0:
         return None
     comm = draw(st.sampled_from(["comm{mode=p2p}", "comm{mode=ring}", "comm{mode=allgather}",
-                                 "comm{mode=p2p,relay=node}", "comm{mode=a2a}", "comm{mode=allgather_ring}"]))
-    divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if comm in ("comm{mode=p2p}", "comm{mode=allgather}") \
+                                 "comm{mode=p2p,relay=node}", "comm{mode=a2a}", "comm{mode=allgather_ring}",
+                                 "comm{mode=p2p,reduce=node}", "comm{mode=p2p,relay=node,reduce=node}"]))
+    divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if comm in ("comm{mode=p2p}", "comm{mode=allgather}",
+                                                                     "comm{mode=p2p,reduce=node}") \
         and draw(st.booleans()) else ""
     overlap = ",overlap" if draw(st.booleans()) else ""
     return comm + divide + overlap

@@ -22,6 +22,8 @@ CONFIGS = [
     ("tile{block=8},per_doc,comm{mode=p2p},emit", "sliding_window(6)", [30, 12], 2),
     ("tile{block=6},minheap,comm{mode=p2p},overlap,emit", "prefix_lm(4)", [17, 23, 5], 4),
     ("tile{block=8},tile_pool,comm{mode=p2p},divide{stages=2},overlap,emit", "full", [26, 10], 2),
+    # two nodes: partials summed inside their node before they cross (merges and adds into partials)
+    ("tile{block=4},per_doc,comm{mode=p2p,relay=node,reduce=node},overlap,emit", "causal", [33, 17], 4, 2),
 ]
 MUTATIONS_PER_PLAN = 100
 
@@ -36,9 +38,9 @@ def _inputs(p, seed: int):
 @pytest.fixture(scope="module")
 def cases():
     out = []
-    for i, (pipeline, mask, lens, devices) in enumerate(CONFIGS):
-        plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, heads=4, kv_heads=2, head_dim=4,
-                                pipeline=pipeline)
+    for i, (pipeline, mask, lens, devices, *nodes) in enumerate(CONFIGS):
+        plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, nodes=(nodes or [1])[0], heads=4,
+                                kv_heads=2, head_dim=4, pipeline=pipeline)
         q, k, v, dout = _inputs(plan.problem, i)
         ref = reference(plan.problem, q, k, v, dout, 1.0 / math.sqrt(plan.problem.head_dim))
         out.append((plan, (q, k, v, dout), ref))

@@ -133,7 +133,8 @@ def test_options_checked():
 
 
 SCHEDULES = [None, "comm{mode=p2p}", "comm{mode=p2p,relay=node},overlap", "comm{mode=ring},overlap",
-             "comm{mode=allgather}", "comm{mode=a2a}", "comm{mode=p2p},divide{stages=3},overlap"]
+             "comm{mode=allgather}", "comm{mode=a2a}", "comm{mode=p2p},divide{stages=3},overlap",
+             "comm{mode=p2p,relay=node,reduce=node},overlap", "comm{mode=p2p,reduce=node}"]
 
 
 @settings(max_examples=40, deadline=None)

@@ -89,13 +89,13 @@ Every registered strategy is searched, and each of its ``variants`` as a
 strategy of its own (``span{grain=1}``, ``span{grain=2}``: the strategy pass
 with those options, :func:`attnplan.passes.base.strategy_entries`).
 A placed strategy enters the search as one candidate per schedule auto
-tries for it (:func:`tails`): its default pipeline, and, for a p2p
-strategy on several nodes, ``name:direct`` (no node relays), each bounded
-by its own estimate.
+tries for it (:func:`tails`): its default pipeline (node relays and node
+reduces), and, for a p2p strategy on several nodes, ``name:relay`` (no node
+reduces) and ``name:direct`` (neither), each bounded by its own estimate.
 
 The chosen plan's IR and pipeline are exactly those of ``compile(strategy=
-winner)``, or for ``name:direct`` of ``compile`` of its default pipeline
-with ``comm{mode=p2p}``. Its ``meta`` records, as pure functions of the inputs (no
+winner)`` (``name:relay`` and ``name:direct`` too: the default pipeline
+with the comm step of that variant). Its ``meta`` records, as pure functions of the inputs (no
 timings): ``candidates`` (predicted seconds of the simulated ones),
 ``estimates`` (the estimate of every strategy that was placed) and
 ``pruned`` (strategy → why it was not simulated: its bound — a preview
@@ -136,7 +136,8 @@ from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers, verify
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategy_entries, strategy_name
-from ..passes.comm import default_relay, relay_rows, ring_kv
+from ..passes.comm import (COMM_VARIANTS, HOP_CROSS, HOP_GATHER, default_reduce, default_relay, reduce_rows,
+                           relay_rows, ring_kv)
 from .auto_preview import SAMPLE_SEGMENTS, sample_docs, segment_bound
 from .auto_schedule import schedule_bound
 
@@ -153,6 +154,7 @@ class Estimate:
     comm_s: float      # the busiest device's forward + backward send or receive queue
     comm_bytes: int    # every transfer of both phases once (what the plan's transfers will total)
     relayed: int = 0   # Q and KV transfers forwarded inside a node (node relays)
+    gathered: int = 0  # partials summed inside their node before crossing (node reduces)
 
     @property
     def total_s(self) -> float:
@@ -197,11 +199,13 @@ def _routes(g, pl, need, mode: str, relay: str) -> tuple[np.ndarray, np.ndarray,
     return q, np.zeros(len(q), np.int64), kv, np.zeros(len(kv), np.int64)
 
 
-def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None) -> Estimate:
+def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None,
+             reduce: str | None = None) -> Estimate:
     """The bound of step 2 of the module doc for a placed IR (graph and
     placement) under the cost profile ``prof``, its transfers routed as
-    ``comm{mode=comm_mode,relay=relay}`` would route them (``relay`` None:
-    the default pipeline's, :func:`attnplan.passes.comm.default_relay`)."""
+    ``comm{mode=comm_mode,relay=relay,reduce=reduce}`` would route them
+    (None: the default pipeline's, :func:`attnplan.passes.comm.default_relay`
+    and :func:`~attnplan.passes.comm.default_reduce`)."""
     g, pl = ir.need_graph(), ir.need_placement()
     n, per_node = pl.devices, pl.devices_per_node
     rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
@@ -209,38 +213,53 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None)
     blocks = np.bincount(pl.cb_device, minlength=n)
     compute = np.bincount(pl.cb_device, weights=fwd_cb, minlength=n) + prof.launch_s * launches(blocks, prof) / rate
     need = needed_transfers(g, pl)
-    o, dkv = need[X_O], need[X_KV]
     q, q_hop, kv, hop = _routes(g, pl, need, comm_mode, default_relay(comm_mode) if relay is None else relay)
+    reduce = default_reduce(comm_mode) if reduce is None else reduce
+    o, o_hop = _partial_routes(need[X_O], pl, comm_mode == "p2p" and reduce == "node")
+    dkv, dkv_hop = _partial_routes(need[X_KV][:, [0, 1, 3, 2]], pl, comm_mode == "p2p" and reduce == "node")
     relayed = int(q_hop.sum() + hop.sum()) if comm_mode == "p2p" else 0
-    PARTIAL = -1  # partials travel apart from data (a group of their own)
+    PARTIAL = -1  # partials travel apart from data (a group of their own; a node's sums another)
 
-    def part(rows: np.ndarray, phase: int, kind: int, group, reverse: bool = False):
-        src, dst = (rows[:, 3], rows[:, 2]) if reverse else (rows[:, 2], rows[:, 3])
-        return src, dst, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]), np.broadcast_to(group, len(rows)) + 1
+    def part(rows: np.ndarray, phase: int, kind: int, group):
+        return rows[:, 2], rows[:, 3], buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]), \
+            np.broadcast_to(group, len(rows)) + 1
 
     comm_f, bytes_f = _queues(n, per_node, prof, [part(q, FWD, B_Q, q_hop), part(kv, FWD, B_KV, hop),
-                                                   part(o, FWD, B_O, PARTIAL)])
+                                                   part(o, FWD, B_O, PARTIAL - o_hop)])
     comm_b, bytes_b = _queues(n, per_node, prof, [part(q, BWD, B_Q, q_hop), part(kv, BWD, B_KV, hop),
-                                                   part(o, BWD, B_DQ, PARTIAL),
-                                                   part(dkv, BWD, B_DKV, PARTIAL, reverse=True)])
+                                                   part(o, BWD, B_DQ, PARTIAL - o_hop),
+                                                   part(dkv, BWD, B_DKV, PARTIAL - dkv_hop)])
     merge_f, merge_b = _merges(g, n, prof, o, dkv)
     comp_f, comp_b = compute + merge_f, compute * prof.bwd_factor + merge_b
+    gathered = int((o_hop == HOP_GATHER).sum() + (dkv_hop == HOP_GATHER).sum())
     return Estimate(float(np.maximum(comp_f, comm_f).max()), float(np.maximum(comp_b, comm_b).max()),
-                    float((comp_f + comp_b).max()), float((comm_f + comm_b).max()), bytes_f + bytes_b, relayed)
+                    float((comp_f + comp_b).max()), float((comm_f + comm_b).max()), bytes_f + bytes_b, relayed,
+                    gathered)
 
 
-def _merges(g, n: int, prof, o: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _partial_routes(rows: np.ndarray, pl, reduce: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Partial rows ``(tb, hg, src, dst)`` (``src`` computes, ``dst`` is
+    home) as they travel, with the hop of each (:data:`HOP_CROSS` for a
+    node's sum, a message group apart): straight home, or under a node
+    reduce as :func:`attnplan.passes.comm.reduce_rows` routes them."""
+    if not (reduce and pl.nodes > 1) or not len(rows):
+        return rows, np.zeros(len(rows), np.int64)
+    full = np.column_stack([np.zeros(len(rows), np.int64), rows, np.zeros(len(rows), np.int64)])
+    routed, hop = reduce_rows(full, pl.devices_per_node)
+    return routed[:, [XTB, XHG, XSRC, XDST]], np.where(hop == HOP_CROSS, 1, 0)
+
+
+def _merges(g, n: int, prof, o: np.ndarray, dkv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per device, the seconds of merging the partial outputs it receives
-    (forward O, backward dQ at Q's home and dKV at KV's home): emit merges
-    each received partial block into the home's block after its compute, an
-    instruction of its stream that reads and writes its bytes
+    (forward O, backward dQ and dKV, at their home or at their node's
+    aggregator): emit merges each received partial block after its compute,
+    an instruction of its stream that reads and writes its bytes
     (:func:`attnplan.backends.walk.merge_seconds`, as the simulator charges it).
-    ``o``: the partial O rows (src computes, dst is home); ``kv``: the KV rows
-    (src is home), whose partial dKV travel back."""
+    ``o``, ``dkv``: the partial rows as they travel (src sends, dst merges)."""
     def at(dst, phase, kind, rows):
         sec = merge_seconds(buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]).astype(float), prof.mem_bw)
         return np.bincount(dst, weights=sec, minlength=n)
-    return at(o[:, 3], FWD, B_O, o), at(o[:, 3], BWD, B_DQ, o) + at(kv[:, 2], BWD, B_DKV, kv)
+    return at(o[:, 3], FWD, B_O, o), at(o[:, 3], BWD, B_DQ, o) + at(dkv[:, 3], BWD, B_DKV, dkv)
 
 
 # ------------------------------------------------------------------------------------------ the search
@@ -361,24 +380,38 @@ def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
     """The schedules auto tries for a placed strategy, as (candidate name,
     comm options or None for the default pipeline's, lower bound): the
     default, and for a p2p strategy on several nodes the same transfers
-    without node relays (``name:direct``; the relay wins the median but
-    loses on some batches: its relayed blocks' compute waits for a second
-    stage), unless the relay forwards nothing. ``divide`` and turning ``overlap`` off are not tried: on the
-    128K batches at 8 devices neither ever predicted a faster plan."""
+    with node relays but without node reduces (``name:relay``; the reduce
+    wins the median but loses on some batches: a node's sum leaves only
+    after its aggregator's last block), unless the reduce sums nothing or
+    the relay forwards nothing (then it is ``name:direct``), and without
+    either (``name:direct``; the relay loses on some batches too: its relayed
+    blocks' compute waits for a second stage), unless neither does anything.
+    ``divide`` and turning ``overlap`` off are not tried: on the 128K
+    batches at 8 devices neither ever predicted a faster plan."""
     out: list[tuple[str, str | None, float]] = [(p.name, None, p.total_s)]
-    if p.ir is not None and p.estimate is not None and has_direct(p.name, p.estimate):
-        key = f"{p.name}:direct"
-        out.append((key, "mode=p2p", candidate_estimate(p.ir, key, prof)))
+    if p.ir is not None and p.estimate is not None:
+        for variant, comm in comm_variants(p.name, p.estimate):
+            key = f"{p.name}:{variant}"
+            out.append((key, comm, candidate_estimate(p.ir, key, prof)))
+    return out
+
+
+def comm_variants(name: str, est: Estimate) -> list[tuple[str, str]]:
+    """The other schedules of ``name`` auto tries (variant, comm options),
+    given its default's estimate ``est``: only those that are another plan
+    than the default (:func:`tails`; the exhaustive search the same)."""
+    mode = REGISTRY[strategy_name(name)].default_comm
+    if mode != "p2p" or default_relay(mode) == "none":
+        return []
+    out = [("relay", COMM_VARIANTS["relay"])] if est.gathered > 0 and est.relayed > 0 else []
+    if est.gathered > 0 or est.relayed > 0:
+        out.append(("direct", "mode=p2p"))
     return out
 
 
 def has_direct(name: str, est: Estimate) -> bool:
-    """Whether ``name:direct`` is another plan than ``name``'s default (whose
-    placement has the estimate ``est``): a p2p strategy whose node relays
-    forward something. Where they forward nothing the two are the same
-    transfers, and only ``name`` is a candidate (the exhaustive search too)."""
-    mode = REGISTRY[strategy_name(name)].default_comm
-    return mode == "p2p" and default_relay(mode) != "none" and est.relayed > 0
+    """Whether ``name:direct`` is another plan than ``name``'s default."""
+    return any(v == "direct" for v, _ in comm_variants(name, est))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -432,12 +465,14 @@ def choice_key(predicted_s: float, estimate_s: float, name: str) -> tuple[float,
 
 
 def candidate_estimate(ir: PlanIR, key: str, prof) -> float:
-    """The estimate auto gives candidate ``key`` (``name`` or
-    ``name:direct``) from its placed or compiled IR (comm, overlap and emit
-    change neither graph nor placement)."""
+    """The estimate auto gives candidate ``key`` (``name``, ``name:relay``
+    or ``name:direct``) from its placed or compiled IR (comm, overlap and
+    emit change neither graph nor placement)."""
     name, _, variant = key.partition(":")
     mode = REGISTRY[strategy_name(name)].default_comm
-    return estimate(ir, prof, mode, "none" if variant == "direct" else None).total_s
+    relay = "none" if variant == "direct" else None
+    reduce = "none" if variant in ("direct", "relay") else None
+    return estimate(ir, prof, mode, relay, reduce).total_s
 
 
 def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):

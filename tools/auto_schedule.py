@@ -79,6 +79,7 @@ from ..ir.module import PlanIR
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers
+from ..passes.comm import HOP_CROSS, reduce_rows
 from ..passes.emit import compute_order
 
 
@@ -149,11 +150,24 @@ def _shape(ir: PlanIR) -> _Shape:
     pos[order] = np.arange(len(order))
     o = s.xfer[s.xfer[:, XK] == X_O][:, [XTB, XHG, XSRC, XDST]]
     dkv = needed_transfers(g, pl)[X_KV][:, [0, 1, 3, 2]]  # (tb, hg, home, device): dKV goes device -> home
+    if s.reduce:
+        o, dkv = _sent_from_compute(o, pl.devices_per_node), _sent_from_compute(dkv, pl.devices_per_node)
     o_last, kv_last = _last_writer(g, pl, o, False, pos), _last_writer(g, pl, dkv, True, pos)
     mstage, msrc, mdst = keys // (n * n), (keys // n) % n, keys % n
     return _Shape(order, dev, s.cb_stage[order], starts, x, msg, msrc, mdst, need, _sweep(pl, x, mstage), mstage,
                   _forwards(g, pl, x, msg, received),
                   (((o, B_O, o_last),), ((o, B_DQ, o_last), (dkv, B_DKV, kv_last))))
+
+
+def _sent_from_compute(rows: np.ndarray, per_node: int) -> np.ndarray:
+    """Under a node reduce, the partial rows ``(tb, hg, src, dst)`` a device
+    sends after its last writer, as emit routes them (:func:`attnplan.passes.
+    comm.reduce_rows`): those going home directly and those gathered to their
+    node's aggregator. The sums the aggregators send across leave from their
+    tails and are left out — the bound only drops work by that."""
+    full = np.column_stack([np.zeros(len(rows), np.int64), rows, np.zeros(len(rows), np.int64)])
+    routed, hop = reduce_rows(full, per_node)
+    return routed[hop != HOP_CROSS][:, [XTB, XHG, XSRC, XDST]]
 
 
 def _forwards(g, pl, x: np.ndarray, msg: np.ndarray, received) -> np.ndarray:
