@@ -633,14 +633,15 @@ def _program_order(ev: _Events):
 
 
 def _tail(sh: _Phase, c: _Compute, waited: np.ndarray) -> _Events:
-    """After the last stage: wait each message of partials and merge its
-    blocks (in message order) — into the home buffer, or, on a node
-    reduce's aggregator, into its own partial of the block; then send the
-    node's sums across (messages of ``HOP_CROSS`` rows, packed from the
-    aggregator's partials), wait and merge the
-    sums it receives; then wait data messages never read there and its own
-    sends. A sum is sent only after every message of partials sent from a
-    compute section arrived, and those never wait for a tail: no cycle."""
+    """After the last stage, in message order within each step: on a node
+    reduce's aggregator, wait each message that brings partials to sum and
+    merge its blocks (into its own partial of the block, or home), then send
+    the node's sums across (messages of ``HOP_CROSS`` rows, packed from its
+    partials); then wait every other message of partials and merge its
+    blocks into home (the sums it receives included); then wait data
+    messages never read there and its own sends. A sum waits only for
+    messages sent from compute sections, which never wait for a tail: no
+    cycle."""
     inc = sh.inc
     p = np.flatnonzero(~_is_data(inc[:, T_KIND]))
     at_home = sh.home[inc[p, T_TB]] == inc[p, T_DST]
@@ -666,9 +667,12 @@ def _tail(sh: _Phase, c: _Compute, waited: np.ndarray) -> _Events:
                               f"there nor computed there")
         dst_b[~at_home] = c.part_buf[srt[pos]]
     merge = np.where(inc[p, T_KIND] == B_O, MERGE, ADD)
-    section = np.where(cross_in, 2, 0)
+    # messages that bring partials to sum are waited first, then the sums leave, then the rest is waited
+    first = np.zeros(len(sh.post), bool)
+    first[pm[~at_home]] = True
+    section = np.where(first[pm], 0, 2)
     part, data, cross = ~sh.msg_data, sh.msg_data, sh.msg_cross
-    ev = [_Events.make(sh.msg_dst[part], 0, np.where(cross[part], 2, 0), sh.msgs[part], 0, 0,
+    ev = [_Events.make(sh.msg_dst[part], 0, np.where(first[sh.msgs[part]], 0, 2), sh.msgs[part], 0, 0,
                        _code(WAIT, sh.msgs[part])),
           _Events.make(pd, 0, section, pm, 1, p, _code(merge, dst_b, sh.inc_buf[p])),
           _Events.make(sh.msg_src[cross], 0, 1, sh.msgs[cross], 0, 0, _code(SEND, sh.msgs[cross], sh.msg_dst[cross]))]
