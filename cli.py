@@ -216,8 +216,8 @@ def _add_compare_bench(sub) -> None:
     _shape_args(cp)
     cp.add_argument("--strategies", default="all",
                     help="comma-separated strategy names, or all; NAME:VARIANT runs NAME's placement with another "
-                         "communication mode: p2p, relay, direct (p2p without relays), ring, allgather, "
-                         "allgather_ring, a2a")
+                         "communication mode: p2p (relays and reduces), relay (relays only), direct (neither), ring, "
+                         "allgather, allgather_ring, a2a")
     cp.add_argument("--json", action="store_true")
     cp.add_argument("--html", default=None, help="write the visual comparison report to this file")
 

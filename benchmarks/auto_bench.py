@@ -6,8 +6,9 @@ For every batch of ``batches.jsonl`` (the 128K and 512K batches) at 8 devices
 repeat running, one after the other:
 
 * the exhaustive search: compile every strategy alone (its compile seconds)
-  — and at 32 devices every p2p strategy also without node relays
-  (``name:direct``), as auto tries them — and simulate it (its predicted time); the one with the lowest predicted
+  — and at 32 devices every p2p strategy also without node reduces
+  (``name:relay``) and without relays either (``name:direct``), as auto
+  tries them — and simulate it (its predicted time); the one with the lowest predicted
   time is the exhaustive choice (ties: the lower estimate, then the name —
   ``attnplan.tools.auto.choice_key``, as ``auto``; the estimate is taken
   from the compiled plan, outside the timed compile);
@@ -44,10 +45,9 @@ import time
 from pathlib import Path
 
 import attnplan
-from attnplan.api import default_pipeline
 from attnplan.backends.cost import simulate
 from attnplan.passes import REGISTRY, strategy_entries, strategy_name
-from attnplan.tools.auto import candidate_estimate, choice_key, estimate, has_direct
+from attnplan.tools.auto import candidate_estimate, choice_key, comm_variants, estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(heads=8, kv_heads=2, head_dim=128, block_size=2048)
@@ -55,29 +55,29 @@ PROFILE = "h100"
 
 
 def compile_(seqlens, devices: int, mask: str, strategy: str):
-    """``strategy``: a name, ``auto``, or ``name:direct`` (auto's candidate without node relays)."""
-    name, _, variant = strategy.partition(":")
-    how = dict(pipeline=default_pipeline(name, SHAPE["block_size"], "mode=p2p")) if variant == "direct" else \
-        dict(strategy=strategy)
-    return attnplan.compile(seqlens, mask, devices=devices, nodes=max(1, devices // 8), profile=PROFILE, **how,
-                            **SHAPE)
+    """``strategy``: a name, ``auto``, or ``name:relay`` / ``name:direct`` (auto's candidates without node
+    reduces, or without relays and reduces): compile takes them as they are."""
+    return attnplan.compile(seqlens, mask, devices=devices, nodes=max(1, devices // 8), profile=PROFILE,
+                            strategy=strategy, **SHAPE)
 
 
 def candidates(devices: int) -> list[str]:
     """What auto chooses from: every strategy and its variants (span{grain=2}), and on several nodes every
-    p2p one without relays."""
+    p2p one without node reduces and without either."""
     names = list(strategy_entries())
-    direct = [f"{n}:direct" for n in names if REGISTRY[strategy_name(n)].default_comm == "p2p"] if devices > 8 else []
-    return names + direct
+    other = [f"{n}:{v}" for n in names for v in ("relay", "direct")
+             if REGISTRY[strategy_name(n)].default_comm == "p2p"] if devices > 8 else []
+    return names + other
 
 
 def exhaustive(seqlens, devices: int, mask: str) -> dict:
     """Every candidate compiled alone and simulated: {name: {compile_s, simulate_s, predicted_s} or error};
-    ``name:direct`` only where it is another plan than ``name`` (``has_direct``, as auto)."""
+    ``name:relay`` and ``name:direct`` only where they are other plans than ``name`` (``comm_variants``, as
+    auto)."""
     out: dict = {}
     for name in candidates(devices):
-        base = out.get(name.partition(":")[0], {})
-        if name.endswith(":direct") and not base.get("has_direct", False):
+        head, _, variant = name.partition(":")
+        if variant and variant not in out.get(head, {}).get("variants", ()):
             continue
         t = time.perf_counter()
         try:
@@ -88,10 +88,10 @@ def exhaustive(seqlens, devices: int, mask: str) -> dict:
         c = time.perf_counter() - t
         t = time.perf_counter()
         pred = simulate(plan.ir, plan.profile)["predicted_s"]
+        est = estimate(plan.ir, plan.profile, REGISTRY[strategy_name(name)].default_comm)
         out[name] = {"compile_s": c, "simulate_s": time.perf_counter() - t, "predicted_s": pred,
                      "estimate_s": candidate_estimate(plan.ir, name, plan.profile),
-                     "has_direct": ":" not in name and has_direct(name, estimate(plan.ir, plan.profile,
-                                                                                 REGISTRY[strategy_name(name)].default_comm))}
+                     "variants": [] if variant else [v for v, _ in comm_variants(name, est)]}
     return out
 
 

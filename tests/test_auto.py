@@ -160,14 +160,18 @@ def test_relay_and_direct_are_tried_only_where_they_are_other_plans():
     m = attnplan.compile(strategy="auto", **kw).meta
     prof = get_profile("h100")
     base = attnplan.compile(strategy="minheap", **kw).ir
-    placed = auto.Placed("minheap", base, estimate(base, prof))
+    tiled = run_pipeline(base.replace(graph=None, placement=None, schedule=None, program=None),
+                         parse_pipeline(f"tile{{block={KW.get('block_size', 2048)}}}"))
+    placed = auto.place("minheap", tiled, parse_pipeline("minheap")[0],
+                        dict(KW, **kw, instruments=(), max_compute_blocks=limits.MAX_COMPUTE_BLOCKS), prof)
     est = placed.estimate
     assert est.relayed > 0 and est.gathered > 0
     assert [t[0] for t in auto.tails(placed, prof)] == ["minheap", "minheap:relay", "minheap:direct"]
-    for relayed, gathered, want in ((0, 5, ["minheap", "minheap:direct"]), (5, 0, ["minheap", "minheap:direct"]),
-                                    (0, 0, ["minheap"])):
-        other = auto.Placed("minheap", base, dataclasses.replace(est, relayed=relayed, gathered=gathered))
-        assert [t[0] for t in auto.tails(other, prof)] == want
+    for key, _, bound in auto.tails(placed, prof):  # each bounded by the estimate of its own schedule
+        assert bound == auto.candidate_estimate(placed.ir, key, prof)
+    for relayed, gathered, want in ((0, 5, ["direct"]), (5, 0, ["direct"]), (0, 0, [])):
+        other = dataclasses.replace(est, relayed=relayed, gathered=gathered)
+        assert [v for v, _ in auto.comm_variants("minheap", other)] == want
     for key in ("minheap:relay", "minheap:direct"):
         assert key in set(m["candidates"]) | set(m["pruned"]) | set(m["estimates"])
         plan = attnplan.compile(strategy=key, **kw)

@@ -17,7 +17,8 @@ from attnplan.step.model import LINEAR_BWD_FACTOR, linear_flops, skrull_linear_f
 from attnplan.step.simulate import doc_seconds, rates, work_factors
 from attnplan.step.systems.common import tokens_per_device
 from attnplan.step.systems.fixed import Fixed
-from attnplan.step.systems.gds import DACP_SLACK, Gds, interleave, lpt, skrull_coefficients
+from attnplan.passes.dacp import default_slack
+from attnplan.step.systems.gds import Gds, interleave, lpt, skrull_coefficients
 from attnplan.step.systems.vrsp import Vrsp, fixed_packing, lpt_pools
 
 TINY = Model("tiny", 2, 64, 4, 2, 8, 128, 256)
@@ -161,7 +162,8 @@ def test_gds_balances_replicas_and_respects_its_token_bound(lens, mesh, cap):
 def test_gds_default_bound_leaves_dacp_its_slack():
     p = problem([40, 7, 300, 22, 5, 180, 90, 61], 2, 2, 4)
     plan = compile_step(p, Gds()).plan
-    bound = int(tokens_per_device(p) * 2 / DACP_SLACK)
+    bound = int(tokens_per_device(p) * 2 / default_slack(1))  # a CP group of 2 in one node: slack 1.1
+    assert default_slack(1) == 1.1 and default_slack(2) == 2.0
     assert plan.info_dict()["max_tokens"] == bound and (plan.mb_tokens() <= bound).all()
 
 

@@ -206,6 +206,14 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None,
     ``comm{mode=comm_mode,relay=relay,reduce=reduce}`` would route them
     (None: the default pipeline's, :func:`attnplan.passes.comm.default_relay`
     and :func:`~attnplan.passes.comm.default_reduce`)."""
+    return estimates(ir, prof, comm_mode, [(relay, reduce)])[0]
+
+
+def estimates(ir: PlanIR, prof, comm_mode: str, routes: list) -> list[Estimate]:
+    """:func:`estimate` for each ``(relay, reduce)`` of ``routes``, sharing
+    what they share (compute, the needed transfers, each relay's and each
+    reduce's routes): auto bounds a placement's default and its other
+    schedules (:func:`comm_variants`) at once."""
     g, pl = ir.need_graph(), ir.need_placement()
     n, per_node = pl.devices, pl.devices_per_node
     rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
@@ -213,10 +221,26 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None,
     blocks = np.bincount(pl.cb_device, minlength=n)
     compute = np.bincount(pl.cb_device, weights=fwd_cb, minlength=n) + prof.launch_s * launches(blocks, prof) / rate
     need = needed_transfers(g, pl)
-    q, q_hop, kv, hop = _routes(g, pl, need, comm_mode, default_relay(comm_mode) if relay is None else relay)
-    reduce = default_reduce(comm_mode) if reduce is None else reduce
-    o, o_hop = _partial_routes(need[X_O], pl, comm_mode == "p2p" and reduce == "node")
-    dkv, dkv_hop = _partial_routes(need[X_KV][:, [0, 1, 3, 2]], pl, comm_mode == "p2p" and reduce == "node")
+    data: dict = {}
+    partials: dict = {}
+    out = []
+    for relay, reduce in routes:
+        relay = default_relay(comm_mode) if relay is None else relay
+        reduce = default_reduce(comm_mode) if reduce is None else reduce
+        on = comm_mode == "p2p" and reduce == "node"
+        if relay not in data:
+            data[relay] = _routes(g, pl, need, comm_mode, relay)
+        if on not in partials:
+            partials[on] = (_partial_routes(need[X_O], pl, on), _partial_routes(need[X_KV][:, [0, 1, 3, 2]], pl, on))
+        out.append(_estimate(g, n, per_node, prof, compute, comm_mode, data[relay], partials[on]))
+    return out
+
+
+def _estimate(g, n: int, per_node: int, prof, compute: np.ndarray, comm_mode: str, data: tuple,
+              partials: tuple) -> Estimate:
+    """One schedule's estimate from its routes (:func:`estimates`)."""
+    q, q_hop, kv, hop = data
+    (o, o_hop), (dkv, dkv_hop) = partials
     relayed = int(q_hop.sum() + hop.sum()) if comm_mode == "p2p" else 0
     PARTIAL = -1  # partials travel apart from data (a group of their own; a node's sums another)
 
@@ -224,11 +248,11 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None,
         return rows[:, 2], rows[:, 3], buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]), \
             np.broadcast_to(group, len(rows)) + 1
 
+    o_grp, dkv_grp = PARTIAL - (o_hop == HOP_CROSS), PARTIAL - (dkv_hop == HOP_CROSS)
     comm_f, bytes_f = _queues(n, per_node, prof, [part(q, FWD, B_Q, q_hop), part(kv, FWD, B_KV, hop),
-                                                   part(o, FWD, B_O, PARTIAL - o_hop)])
+                                                   part(o, FWD, B_O, o_grp)])
     comm_b, bytes_b = _queues(n, per_node, prof, [part(q, BWD, B_Q, q_hop), part(kv, BWD, B_KV, hop),
-                                                   part(o, BWD, B_DQ, PARTIAL - o_hop),
-                                                   part(dkv, BWD, B_DKV, PARTIAL - dkv_hop)])
+                                                   part(o, BWD, B_DQ, o_grp), part(dkv, BWD, B_DKV, dkv_grp)])
     merge_f, merge_b = _merges(g, n, prof, o, dkv)
     comp_f, comp_b = compute + merge_f, compute * prof.bwd_factor + merge_b
     gathered = int((o_hop == HOP_GATHER).sum() + (dkv_hop == HOP_GATHER).sum())
@@ -246,7 +270,7 @@ def _partial_routes(rows: np.ndarray, pl, reduce: bool) -> tuple[np.ndarray, np.
         return rows, np.zeros(len(rows), np.int64)
     full = np.column_stack([np.zeros(len(rows), np.int64), rows, np.zeros(len(rows), np.int64)])
     routed, hop = reduce_rows(full, pl.devices_per_node)
-    return routed[:, [XTB, XHG, XSRC, XDST]], np.where(hop == HOP_CROSS, 1, 0)
+    return routed[:, [XTB, XHG, XSRC, XDST]], hop
 
 
 def _merges(g, n: int, prof, o: np.ndarray, dkv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -297,6 +321,7 @@ class Placed:
     estimate: Estimate | None = None
     error: str = ""
     seconds: float = 0.0   # measured (Plan.measured only, never meta)
+    others: tuple = ()     # (variant, comm options, estimate) of its other schedules (:func:`comm_variants`)
 
     @property
     def total_s(self) -> float:
@@ -323,10 +348,14 @@ def place(name: str, tiled: PlanIR, strategy_pass, kwargs: dict, prof) -> Placed
     t0 = time.perf_counter()
     try:
         ir = _run(tiled, [strategy_pass], kwargs)
-        est = estimate(ir, prof, REGISTRY[strategy_name(name)].default_comm)
+        mode = REGISTRY[strategy_name(name)].default_comm
+        several = mode == "p2p" and ir.need_placement().nodes > 1
+        est, *rest = estimates(ir, prof, mode, [(None, None)] + ([(None, "none"), ("none", "none")] if several else []))
     except PlanError as e:
         return Placed(name, error=_reason(e), seconds=time.perf_counter() - t0)
-    return Placed(name, ir, est, seconds=time.perf_counter() - t0)
+    by = dict(zip(("relay", "direct"), rest))
+    others = tuple((v, comm, by[v]) for v, comm in comm_variants(name, est))
+    return Placed(name, ir, est, seconds=time.perf_counter() - t0, others=others)
 
 
 def preview(strategy_pass, tiled: PlanIR, prof, max_blocks: int | None = None, docs: np.ndarray | None = None,
@@ -388,12 +417,7 @@ def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
     blocks' compute waits for a second stage), unless neither does anything.
     ``divide`` and turning ``overlap`` off are not tried: on the 128K
     batches at 8 devices neither ever predicted a faster plan."""
-    out: list[tuple[str, str | None, float]] = [(p.name, None, p.total_s)]
-    if p.ir is not None and p.estimate is not None:
-        for variant, comm in comm_variants(p.name, p.estimate):
-            key = f"{p.name}:{variant}"
-            out.append((key, comm, candidate_estimate(p.ir, key, prof)))
-    return out
+    return [(p.name, None, p.total_s)] + [(f"{p.name}:{v}", comm, e.total_s) for v, comm, e in p.others]
 
 
 def comm_variants(name: str, est: Estimate) -> list[tuple[str, str]]:

@@ -36,7 +36,8 @@ Choices the survey leaves open, made here:
   Carried documents are ordinary documents (GDS keeps no queue).
 * **Memory bound**: a micro-batch holds at most ``M = tokens_per_device ×
   cp / slack`` tokens (:func:`common.micro_tokens`), ``slack`` being
-  DACP's (1.1 by default): DACP's automatic BucketSize is
+  DACP's automatic one (1.1 in one node, 2 for a group that spans nodes:
+  :func:`attnplan.passes.dacp.default_slack`): DACP's automatic BucketSize is
   ``C = max(slack·T/N, all-distributed share)``, so a micro-batch of at most
   M tokens keeps C within what a device holds (the verifier checks the
   real plan, attention buffers included). ``max_tokens`` overrides M.
@@ -61,7 +62,7 @@ Choices the survey leaves open, made here:
   load option, and the step's lowering passes a strategy by name only, so
   DACP runs with its default load; it keeps each device within ``slack`` of
   the even token share, which bounds the linear imbalance it can cause to
-  ``slack − 1`` (10%). ``inner=auto`` or any strategy name replaces it.
+  ``slack − 1`` (10% in one node, 100% across nodes). ``inner=auto`` or any strategy name replaces it.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ import numpy as np
 
 from ...errors import StepError
 from ...ir.limits import MAX_MICRO_BATCHES
-from ...passes.dacp import Dacp
+from ...passes.dacp import default_slack
 from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
@@ -80,7 +81,6 @@ from ..model import LINEAR_BWD_FACTOR
 from ..simulate import rates, work_factors
 from .common import micro_tokens, tokens_per_device
 
-DACP_SLACK = Dacp().slack  # the dacp pass's automatic BucketSize slack (its default)
 
 
 def skrull_coefficients(problem: StepProblem) -> tuple[float, float]:
@@ -136,14 +136,15 @@ class Gds(StepPass):
 
     def apply(self, problem: StepProblem) -> StepPlan:
         mesh, lens = problem.mesh, problem.seqlens
-        cap = self.max_tokens or int(micro_tokens(problem) * mesh.cp / DACP_SLACK)
+        slack = default_slack(-(-mesh.cp // mesh.devices_per_node))  # the dacp pass's automatic one, its nodes'
+        cap = self.max_tokens or int(micro_tokens(problem) * mesh.cp / slack)
         if not self.max_tokens and mesh.pp > 1:  # the pipeline's share never refuses what memory holds
-            cap = max(cap, min(int(lens.max()), int(tokens_per_device(problem) * mesh.cp / DACP_SLACK)))
+            cap = max(cap, min(int(lens.max()), int(tokens_per_device(problem) * mesh.cp / slack)))
         if lens.max() > cap:
             d = int(np.argmax(lens))
             raise StepError(f"gds: document {d} ({int(lens[d]):,} tokens) does not fit a micro-batch of at most "
                             f"{cap:,} tokens (a CP group of {mesh.cp} devices of {problem.cap / 2**30:.0f} GiB, "
-                            f"DACP's slack {DACP_SLACK})")
+                            f"DACP's slack {slack})")
         c1, c2 = skrull_coefficients(problem)
         cost = c1 * lens + c2 * lens.astype(float) ** 2
         replica = lpt(np.lexsort((np.arange(problem.docs), -cost)), cost, mesh.dp)
