@@ -13,7 +13,10 @@
    the blocks a device needs, each once.
 4. Every partial output is merged into its home exactly once (forward O;
    backward dQ and dKV), after its last write, and nothing writes a buffer
-   while it is being sent.
+   while it is being sent: each partial is sent once and each received
+   partial merged once, into its home or, on a node reduce's aggregator,
+   into that device's own partial of the block after it computed some of it
+   and before that is sent — so every contribution reaches its home once.
 5. Every message has one send and one receive; the blocks it carries are
    the transfers the message table says, each packed from a buffer of its
    block and unpacked into a receive buffer of the same block and size; for
