@@ -43,9 +43,24 @@ class MaskError(AttnplanError):
     def _render(self) -> str:
         if not self.line:
             return f"{self.filename}: {self.message}"
-        src = self.text.splitlines()[self.line - 1] if self.text and self.line <= len(self.text.splitlines()) else ""
-        caret = " " * max(0, self.col - 1) + "^"
-        return f"{self.filename}:{self.line}:{self.col}: {self.message}\n  {src}\n  {caret}"
+        lines = self.text.splitlines() if self.text else []
+        src = lines[self.line - 1] if self.line <= len(lines) else ""
+        src, at = _window(src, max(0, self.col - 1))
+        return f"{self.filename}:{self.line}:{self.col}: {self.message}\n  {src}\n  {' ' * at}^"
+
+
+_WINDOW = 100  # characters of a long source line shown on each side of the caret
+
+
+def _window(src: str, at: int) -> tuple[str, int]:
+    """The part of ``src`` around column ``at`` (0-based) that an error shows, and the caret's column in
+    it: a generated mask can be one line of megabytes, and its error must stay one screen."""
+    if len(src) <= 2 * _WINDOW + 1:
+        return src, at
+    lo = max(0, min(at - _WINDOW, len(src) - 2 * _WINDOW - 1))
+    head = "..." if lo else ""
+    tail = "..." if lo + 2 * _WINDOW + 1 < len(src) else ""
+    return head + src[lo:lo + 2 * _WINDOW + 1] + tail, at - lo + len(head)
 
 
 class BatchError(AttnplanError):

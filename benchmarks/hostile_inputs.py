@@ -23,6 +23,7 @@ import zlib
 from pathlib import Path
 
 import msgpack
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = str(Path(sys.executable).with_name("plan"))
@@ -67,13 +68,11 @@ def write_body(path, body):
 
 
 def arr(values, dtype="<i8"):
-    import numpy as np
     a = np.asarray(values, dtype=dtype)
     return {"dtype": dtype, "shape": list(a.shape), "data": a.tobytes()}
 
 
 def crafted(tmp: Path, base: Path) -> dict[str, Path]:
-    import numpy as np
     out = {}
     body = read_body(base)
     # 1 MB of compressed zeros that inflate to 1 GiB
@@ -112,6 +111,17 @@ def crafted(tmp: Path, base: Path) -> dict[str, Path]:
     return out
 
 
+def long_unions() -> dict[str, str]:
+    """Mask files of one long union: 10,000 diagonals ``k - q == d`` (for 300 tokens), 10,000 rectangles of
+    up to 256 x 256 (for 4,096 tokens; they overlap), and the rectangles with a typo in the last term."""
+    rng = np.random.default_rng(0)
+    diag = " | ".join(f"k - q == {d}" for d in rng.integers(-300, 300, 10_000))
+    lo = rng.integers(0, 4096 - 256, (10_000, 2))
+    hi = lo + rng.integers(1, 256, (10_000, 2))
+    rect = " | ".join(f"(q >= {a} & q < {b} & k >= {c} & k < {d})" for (a, c), (b, d) in zip(lo, hi))
+    return {"diag.mask": diag, "rect.mask": rect, "typo.mask": rect[:-1] + " & kk)"}
+
+
 def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
     """(name, argv, expected: 'ok' | 'error')."""
     base = tmp / "base.plan"
@@ -121,6 +131,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
     let_lin = "\n".join(["let m0 = causal"] + [f"let m{i} = m{i - 1} | k < 0" for i in range(1, 20000)] + ["m19999"])
     (tmp / "exp.mask").write_text(let_exp)
     (tmp / "lin.mask").write_text(let_lin)
+    for name, text in long_unions().items():
+        (tmp / name).write_text(text)
     (tmp / "ones.json").write_text(json.dumps({"seqlens": [1] * 100_000}))  # too long for one argv word
     (tmp / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     good = json.loads(subprocess.run([str(Path(sys.executable)), "-c", "import dataclasses, json; from attnplan.backends."
@@ -151,6 +163,9 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("100,000 one-token documents, zigzag, 4 devices", ["compile", "--batch", f"{tmp}/ones.json", "--devices", "4", "-o", f"{tmp}/a.plan"], "ok"),
         ("100,000-deep batch JSON", ["compile", "--batch", f"{tmp}/deep.json", "--devices", "2", "-o", f"{tmp}/a.plan"], "error"),
         ("mask literal of 5,000 digits", ["compile", "--seqlens", "500", "--devices", "2", "--mask", "k < " + "9" * 5000, "-o", f"{tmp}/a.plan"], "error"),
+        ("union of 10,000 diagonals on 300 tokens", ["compile", "--seqlens", "300", "--devices", "2", "--mask", f"{tmp}/diag.mask", "-o", f"{tmp}/a.plan"], "ok"),
+        ("union of 10,000 rectangles on 4,096 tokens", ["compile", "--seqlens", "4096", "--devices", "2", "--mask", f"{tmp}/rect.mask", "-o", f"{tmp}/a.plan"], "ok"),
+        ("that union with a typo in its last term", ["compile", "--seqlens", "4096", "--devices", "2", "--mask", f"{tmp}/typo.mask", "-o", f"{tmp}/a.plan"], "error"),
         ("union of 490 terms", ["compile", "--seqlens", "500", "--devices", "2", "--mask", " | ".join(["causal"] * 490), "-o", f"{tmp}/a.plan"], "ok"),
         ("empty mask: k < q on one-token documents", ["compile", "--seqlens", "1,1,1", "--devices", "2", "--mask", "k < q", "-o", f"{tmp}/e.plan"], "ok"),
         ("empty mask: !full", ["compile", "--seqlens", "100", "--devices", "2", "--mask", "!full", "-o", f"{tmp}/e2.plan"], "ok"),

@@ -23,7 +23,7 @@ import numpy as np
 from attnplan.errors import MaskError
 from attnplan.ir.mask import INF, Pieces
 
-from . import setops
+from . import setops, unionsplit
 from .cells import check_form, lower_chain
 from .periodic import TermError, add, floordiv, mod, scale
 from .setops import NODE_COST, Budget, LimitExceeded
@@ -240,6 +240,8 @@ class Evaluator:
             apart = self._limited(setops.union_apart, node, values, self.budget)
             if apart is not None:
                 return apart
+            if len(values) >= unionsplit.MIN_OPERANDS:
+                return self._limited(unionsplit.union_split, node, values, self.budget)
         fn = setops.intersect if op == "&" else setops.union
         acc = values[0]
         for (_, line, col), v in zip(node.ops, values[1:]):

@@ -22,7 +22,7 @@ from attnplan.ir.limits import MAX_MASK_PIECES, MAX_MASK_WORK
 from attnplan.ir.mask import HI, K0, K1, LO, Q0, Q1, Pieces
 
 __all__ = ["Budget", "LimitExceeded", "NODE_COST", "OP_COST", "build_cost", "union", "union_apart", "intersect",
-           "complement", "check_pieces"]
+           "complement", "check_pieces", "candidate_pairs"]
 
 # Work units are about one numpy row operation (10-20 ns here); a numpy call's
 # fixed overhead is about 100 units.
@@ -89,27 +89,33 @@ def _overlap_candidates(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.
     return order, stop, int(np.maximum(stop - np.arange(1, len(lo) + 1), 0).sum())
 
 
-def _apart(values: list, budget: Budget) -> bool:
-    """Whether no piece of one operand has a bounding box overlapping a piece of another
-    (pieces of one operand may). Found by sorting along q or k, whichever pairs fewer
-    candidates; False, without deciding, when both pair too many."""
-    a = np.concatenate([v.a for v in values])
-    owner = np.repeat(np.arange(len(values)), [len(v) for v in values])
+def candidate_pairs(a: np.ndarray, limit: int, budget: Budget, what: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Index pairs ``(x, y)`` of the pieces ``a`` whose bounding boxes overlap (each pair once), found
+    by sorting along q or k, whichever pairs fewer candidates; None when both pair more than ``limit``."""
     n = len(a)
-    budget.charge(OP_COST + _ROW_PASSES * 4 * n, f"sorting a union of {len(values):,} operands")
+    budget.charge(OP_COST + _ROW_PASSES * 4 * n, f"sorting {what}")
     axes = [(*_overlap_candidates(a[:, lo], a[:, hi]), (olo, ohi))
             for (lo, hi), (olo, ohi) in (((Q0, Q1), (K0, K1)), ((K0, K1), (Q0, Q1)))]
     order, stop, count, (olo, ohi) = min(axes, key=lambda x: x[2])
-    if count > 4 * n + (1 << 20):
-        return False
-    budget.charge(_ROW_PASSES * count, f"checking a union of {len(values):,} operands")
+    if count > limit:
+        return None
+    budget.charge(_ROW_PASSES * count, f"checking {what}")
     first = np.arange(1, n + 1)
     span = np.maximum(stop - first, 0)
     i = np.repeat(np.arange(n), span)
     j = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span) + first[i]
     x, y = order[i], order[j]
-    hit = (a[x, olo] < a[y, ohi]) & (a[y, olo] < a[x, ohi]) & (owner[x] != owner[y])
-    return not hit.any()
+    keep = (a[x, olo] < a[y, ohi]) & (a[y, olo] < a[x, ohi])
+    return x[keep], y[keep]
+
+
+def _apart(values: list, budget: Budget) -> bool:
+    """Whether no piece of one operand has a bounding box overlapping a piece of another
+    (pieces of one operand may); False, without deciding, when the candidates are too many."""
+    a = np.concatenate([v.a for v in values])
+    owner = np.repeat(np.arange(len(values)), [len(v) for v in values])
+    pairs = candidate_pairs(a, 4 * len(a) + (1 << 20), budget, f"a union of {len(values):,} operands")
+    return pairs is not None and not (owner[pairs[0]] != owner[pairs[1]]).any()
 
 
 def union_apart(values: list, budget: Budget) -> Pieces | None:

@@ -84,7 +84,8 @@ def _pairwise(a: np.ndarray, b: np.ndarray):
     return np.concatenate(ii), np.concatenate(jj)
 
 
-def _intersect_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def intersect_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Row-wise intersections of the pieces ``x[i]`` and ``y[i]`` (untightened: :func:`tighten` finds empties)."""
     out = np.empty_like(x)
     out[:, [Q0, K0, LO]] = np.maximum(x[:, [Q0, K0, LO]], y[:, [Q0, K0, LO]])
     out[:, [Q1, K1, HI]] = np.minimum(x[:, [Q1, K1, HI]], y[:, [Q1, K1, HI]])
@@ -133,7 +134,7 @@ def _first_hit(a: np.ndarray, i: np.ndarray, j: np.ndarray) -> tuple[int, int] |
     """The first candidate pair ``(i[x], j[x])`` whose pieces share a pair, chunked to bound memory."""
     for s in range(0, len(i), _CHUNK):
         x, y = i[s:s + _CHUNK], j[s:s + _CHUNK]
-        hit = np.flatnonzero(tighten(_intersect_rows(a[x], a[y])))
+        hit = np.flatnonzero(tighten(intersect_rows(a[x], a[y])))
         if len(hit):
             return int(x[hit[0]]), int(y[hit[0]])
     return None
@@ -271,7 +272,7 @@ class Pieces:
 
     def intersect(self, other: Pieces) -> Pieces:
         i, j = _pairwise(self.a, other.a)
-        return Pieces(normalize(_intersect_rows(self.a[i], other.a[j])))
+        return Pieces(normalize(intersect_rows(self.a[i], other.a[j])))
 
     def subtract(self, other: Pieces) -> Pieces:
         cur = self.a
@@ -300,11 +301,12 @@ class Pieces:
     # views (tests, pictures) ---------------------------------------------------
     def to_dense(self, size: int) -> np.ndarray:
         """Boolean ``[size, size]`` matrix. For tests and small pictures only."""
-        q = np.arange(size)[:, None]
-        k = np.arange(size)[None, :]
         m = np.zeros((size, size), dtype=bool)
-        for q0, q1, k0, k1, lo, hi in self.a:
-            m |= (q >= q0) & (q < q1) & (k >= k0) & (k < k1) & (k - q >= lo) & (k - q <= hi)
+        for q0, q1, k0, k1, lo, hi in self.a.tolist():  # each piece written inside its rectangle only
+            q0, q1, k0, k1 = max(q0, 0), min(q1, size), max(k0, 0), min(k1, size)
+            d = np.arange(k0, k1)[None, :] - np.arange(q0, q1)[:, None]
+            if d.size:
+                m[q0:q1, k0:k1] |= (d >= lo) & (d <= hi)
         return m
 
     def to_string(self, size: int, width: int = 64) -> str:

@@ -19,7 +19,7 @@ from attnplan.errors import DeadlockError, PlanError, PlanFileError, VerifyError
 from attnplan.ir import limits
 from attnplan.ir import verify as verify_mod
 from attnplan.ir.interp import check_deadlock_free, cooperate
-from attnplan.ir.mask import Pieces, _intersect_rows, _pairwise, first_overlap, normalize, tight, tighten
+from attnplan.ir.mask import Pieces, intersect_rows, _pairwise, first_overlap, normalize, tight, tighten
 from attnplan.ir.module import PlanIR
 from attnplan.ir.placement import Placement
 from attnplan.ir.problem import Problem
@@ -327,7 +327,7 @@ def test_tight_is_normalize_leaving_the_pieces_alone(rows, col, delta):
 def brute_overlap(a):
     i, j = _pairwise(a, a)
     keep = i < j
-    hit = np.flatnonzero(tighten(_intersect_rows(a[i[keep]], a[j[keep]])))
+    hit = np.flatnonzero(tighten(intersect_rows(a[i[keep]], a[j[keep]])))
     return None if not len(hit) else (int(i[keep][hit[0]]), int(j[keep][hit[0]]))
 
 
@@ -355,7 +355,7 @@ def test_disjointness_check_equals_brute_force():
         got = first_overlap(a)
         assert (want is None) == (got is None)
         if got is not None:
-            assert tighten(_intersect_rows(a[[got[0]]], a[[got[1]]]))[0]
+            assert tighten(intersect_rows(a[[got[0]]], a[[got[1]]]))[0]
         found[want is None] += 1
     assert min(found) > 50
 
