@@ -429,11 +429,18 @@ class _Compute:
 
 def compute_order(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
     """The compute blocks in program order, both phases: by device, then
-    stage, those needing nothing remote first, then q block, kv block and
-    head group (also what :mod:`attnplan.tools.auto_schedule` bounds)."""
+    stage, those needing nothing remote first, then the others by partner —
+    the home of their remote KV, else of their remote Q — in shifted order
+    (device ``d`` serves ``d + 1, d + 2, ...`` mod the devices first, as a
+    pairwise exchange does, so that no device is everyone's first partner and
+    the partials for one home are done, and sent, together), then q block, kv
+    block and head group (also what :mod:`attnplan.tools.auto_schedule`
+    bounds)."""
     dev, cq, ck, chg, cst = pl.cb_device, g.cb_q, g.cb_k, g.cb_hg, s.cb_stage
-    remote = (pl.home[cq] != dev) | (pl.home[ck] != dev)
-    return np.lexsort((chg, ck, cq, remote, cst, dev))
+    kv_away, q_away = pl.home[ck] != dev, pl.home[cq] != dev
+    partner = np.where(kv_away, pl.home[ck], pl.home[cq])
+    shift = np.where(kv_away | q_away, (partner - dev) % pl.devices, -1)
+    return np.lexsort((chg, ck, cq, shift, cst, dev))
 
 
 def _compute_order(sh: _Phase):
