@@ -433,7 +433,7 @@ def compute_order(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
     the home of their remote KV, else of their remote Q — in shifted order
     (device ``d`` serves ``d + 1, d + 2, ...`` mod the devices first, as a
     pairwise exchange does, so that no device is everyone's first partner and
-    the partials for one home are done, and sent, together), then q block, kv
+    the dKV partials for one home are done together), then q block, kv
     block and head group (also what :mod:`attnplan.tools.auto_schedule`
     bounds)."""
     dev, cq, ck, chg, cst = pl.cb_device, g.cb_q, g.cb_k, g.cb_hg, s.cb_stage

@@ -130,3 +130,30 @@ def test_event_sort_equals_lexsort(wide):
         cols[:, 2] = rng.integers(0, 1 << 40, 3000)
         cols[:, 4] = rng.integers(0, 1 << 40, 3000)
     assert np.array_equal(_sort_rows(cols), np.lexsort(cols.T[::-1]))
+
+
+@pytest.mark.parametrize("strategy", ["minheap", "hypergraph", "tile_pool", "span{grain=1}"])
+def test_remote_blocks_run_by_partner_in_shifted_order(strategy):
+    """compute_order: per device and stage, the blocks needing nothing remote first, then the others by the
+    home of their remote KV (else Q) at (home - device) mod devices; both phases' programs follow it."""
+    from attnplan.ir.program import ATTN, ATTN_BWD
+    from attnplan.passes.emit import compute_order
+    plan = attnplan.compile(seqlens=[700, 300, 260, 90, 40], devices=6, nodes=2, heads=4, kv_heads=2, head_dim=8,
+                            block_size=64, strategy=strategy)
+    ir = plan.ir
+    g, pl, s, n = ir.graph, ir.placement, ir.schedule, ir.devices
+    order = compute_order(g, pl, s)
+    dev, cq, ck = pl.cb_device[order], g.cb_q[order], g.cb_k[order]
+    away = (pl.home[ck] != dev) | (pl.home[cq] != dev)
+    partner = np.where(pl.home[ck] != dev, pl.home[ck], pl.home[cq])
+    shift = np.where(away, (partner - dev) % n, -1)
+    key = np.stack([dev, s.cb_stage[order], shift], 1)
+    assert (np.diff(key[:, 0]) >= 0).all()
+    same = key[1:, 0] == key[:-1, 0]
+    assert (np.diff(key[:, 1])[same] >= 0).all()
+    same &= key[1:, 1] == key[:-1, 1]
+    assert (np.diff(key[:, 2])[same] >= 0).all() and away.any()
+    for phase, op in ((FWD, ATTN), (BWD, ATTN_BWD)):  # the program runs its blocks in that order
+        for d in range(n):
+            code = ir.program.code[phase][d]
+            assert code[code[:, 0] == op, 1].tolist() == order[dev == d].tolist()
