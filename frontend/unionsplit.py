@@ -127,14 +127,16 @@ def _half(box, col: int, lo: int | None, hi: int | None) -> tuple[int, int, int,
 
 def union_split(values: list, budget: Budget) -> Pieces:
     """``values[0] | values[1] | ...`` for pieces sets that are each disjoint (see the module)."""
-    parts = [v.a for v in values if len(v)]
+    unique = {id(v): v.a for v in values if len(v)}  # `x | x | ...` (one value, many terms): taken once
+    parts = list(unique.values())
     if not parts:
         return Pieces.empty()
-    a = np.concatenate(parts)
+    rows = sum(len(p) for p in parts)
+    budget.charge(OP_COST + _ROW_PASSES * 4 * rows, f"sorting a union of {len(values):,} operands")  # before
+    a = np.concatenate(parts)                                                     # anything is allocated
     owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
     a, first = np.unique(a, axis=0, return_index=True)  # a piece two operands share is taken once
     owner = owner[first]
-    budget.charge(OP_COST + _ROW_PASSES * 4 * len(a), f"sorting a union of {len(values):,} operands")
     box = (int(a[:, Q0].min()), int(a[:, Q1].max()), int(a[:, K0].min()), int(a[:, K1].max()))
     out, total, todo = [], 0, [(a, owner, box)]
     while todo:
@@ -149,23 +151,28 @@ def union_split(values: list, budget: Budget) -> Pieces:
     return Pieces(result)
 
 
-def _join(a: np.ndarray, lo_col: int, hi_col: int) -> np.ndarray:
-    """Join runs of pieces that meet end to start along one axis with the same extent across it, where
-    one piece holds exactly their pairs (the band widened to theirs; pair counts prove it)."""
-    across = [K0, K1] if lo_col == Q0 else [Q0, Q1]
-    a = a[np.lexsort([a[:, lo_col], a[:, across[1]], a[:, across[0]]])]
-    link = (a[1:, across] == a[:-1, across]).all(axis=1) & (a[1:, lo_col] == a[:-1, hi_col])
+def _join(a: np.ndarray, lo_col: int, hi_col: int, same: list[int]) -> np.ndarray:
+    """Join runs of pieces that meet end to start along one axis and agree in the columns ``same``
+    (their extent across it, or their band), where one piece — the hull of the run — holds exactly
+    their pairs (pair counts prove it; otherwise the run stays as it was)."""
+    a = a[np.lexsort([a[:, lo_col], *(a[:, c] for c in reversed(same))])]
+    link = (a[1:, same] == a[:-1, same]).all(axis=1) & (a[1:, lo_col] == a[:-1, hi_col])
     starts = np.flatnonzero(np.r_[True, ~link])
     joined = a[starts].copy()
-    joined[:, hi_col] = np.maximum.reduceat(a[:, hi_col], starts)
-    joined[:, LO] = np.minimum.reduceat(a[:, LO], starts)
-    joined[:, HI] = np.maximum.reduceat(a[:, HI], starts)
+    for c, reduce in ((Q0, np.minimum), (K0, np.minimum), (LO, np.minimum),
+                      (Q1, np.maximum), (K1, np.maximum), (HI, np.maximum)):
+        joined[:, c] = reduce.reduceat(a[:, c], starts)
     tighten(joined)  # a superset of non-empty pieces: never empty
     exact = piece_counts(joined) == np.add.reduceat(piece_counts(a), starts)
     return np.concatenate([joined[exact], a[np.repeat(~exact, np.diff(np.r_[starts, len(a)]))]])
 
 
 def coalesce(a: np.ndarray) -> np.ndarray:
-    """Disjoint pieces with those that a cut divided joined back (along q, then along k); the same
-    pairs, in a canonical order."""
-    return _join(_join(a, Q0, Q1), K0, K1) if len(a) > 1 else a
+    """Disjoint pieces with those that a cut divided joined back: along q, then along k, first those
+    with the same extent across the cut (rectangles), then those with the same band (diagonals,
+    whose extent across a cut moves with it); the same pairs."""
+    for lo_col, hi_col, across in ((Q0, Q1, [K0, K1]), (K0, K1, [Q0, Q1])):
+        for same in (across, [LO, HI]):
+            if len(a) > 1:
+                a = _join(a, lo_col, hi_col, same)
+    return a

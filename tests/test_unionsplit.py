@@ -114,3 +114,35 @@ def test_an_error_in_a_long_line_shows_a_window_around_the_caret():
     assert e.col == len(text) - 1 and len(shown) == 3
     assert shown[1].startswith("  ...") and shown[1].endswith("| kk") and len(shown[1]) < 220
     assert shown[1][shown[2].index("^"):].startswith("kk")
+
+
+def test_a_repeated_operand_is_taken_once_and_distinct_ones_are_charged_before_they_are_joined(monkeypatch):
+    seen = []
+    real = unionsplit.union_split
+    monkeypatch.setattr(unionsplit, "union_split", lambda v, b: seen.append(b.work) or real(v, b))
+    text = "let x = q % 2 == 0\n" + " | ".join(["x"] * 2000)  # one 10,000-piece value, 2,000 times
+    got = lower_batch(parse_mask(text), [20_000])
+    assert len(got) == 10_000 and got.pair_count() == 10_000 * 20_000 and seen
+    big = [Pieces.rect(i, i + 1, 0, 10) for i in range(1000)]
+    operands = [Pieces.concat(big[i:] + big[:i]) for i in range(40)]  # 40 distinct objects of 1,000 rows
+    monkeypatch.setattr(setops, "MAX_MASK_WORK", 40 * 1000 * 16)
+    with pytest.raises(LimitExceeded, match="sorting a union of 40 operands"):
+        union_split(operands, Budget())
+
+
+def test_a_diagonal_cut_in_two_is_joined_back():
+    """Halves of a band piece differ in their extent across the cut (k moves with q): joined by band."""
+    n = 1024
+    values = [Pieces.rect(0, 500, 0, n, d, d) for d in range(20)] + [Pieces.rect(524, n, 0, n, -d, -d)
+                                                                      for d in range(20)]
+    values += [Pieces.rect(0, n, 0, n, d, d) for d in range(200, 210)] + [Pieces.rect(0, 300, 0, n, 0, 0)]
+    got = union_split(values, Budget())
+    assert got.pair_count() == int(_dense(values, n).sum())
+    assert len(got) <= 51  # one piece per diagonal segment, as the fold gives
+
+
+def _dense(values, n):
+    want = np.zeros((n, n), bool)
+    for v in values:
+        want |= v.to_dense(n)
+    return want
