@@ -344,7 +344,11 @@ def schedule(sb, g: BlockGraph, devices: int) -> Schedule:
     reduce = sb.get("reduce", False)
     if reduce is not True and reduce is not False:
         fail(f"schedule.reduce must be a boolean, got {_kind(reduce)}")
-    return Schedule(stages, cb_stage, xfer, overlap, collective, reduce)
+    run = sb.get("run", 0.0)
+    if isinstance(run, bool) or not isinstance(run, (int, float)) or not 0.0 <= run <= 1e30:
+        fail(f"schedule.run must be FLOPs in [0, 1e30], got {run!r}" if isinstance(run, (int, float))
+             else f"schedule.run must be a number, got {_kind(run)}")
+    return Schedule(stages, cb_stage, xfer, overlap, collective, reduce, float(run))
 
 
 def _per_device(pr, key: str, devices: int) -> list:

@@ -30,6 +30,9 @@ class Schedule:
     #                           all-to-all each (the runtime runs them as all_to_all_single, runtime/dist.py)
     reduce: bool = False  # comm{reduce=node}: partials bound for another node are summed inside their node first,
     #                       then cross once per (block, node) (emit derives the routes, passes/comm.reduce_rows)
+    run_flops: float = 0.0  # overlap{run=F}: a device's blocks for remote partners share one kernel run (waits
+    #                         before it, partial sends after it) until the remote work before a partner's blocks
+    #                         reaches another multiple of F (0: a run per partner; passes/emit.compute_runs)
 
     def __post_init__(self):
         self.cb_stage.setflags(write=False)
@@ -37,7 +40,8 @@ class Schedule:
 
     def to_text(self, limit: int = 40) -> str:
         lines = [f"schedule stages={self.stages} transfers={len(self.xfer)} overlap={self.overlap}"
-                 + (" collective=True" if self.collective else "") + (" reduce=node" if self.reduce else "")]
+                 + (" collective=True" if self.collective else "") + (" reduce=node" if self.reduce else "")
+            + (f" run={self.run_flops:g}" if self.run_flops else "")]
         for k, tb, hg, s, d, st in self.xfer[:limit].tolist():
             lines.append(f"  stage {st}: {XFER_KIND_NAMES[k]}[tb{tb},hg{hg}] d{s} -> d{d}")
         if len(self.xfer) > limit:

@@ -18,6 +18,7 @@ from ..ir.module import PlanIR
 from ..ir.verify import VerifyCache, verify
 
 REGISTRY: dict[str, type[Pass]] = {}
+DEFAULT_RUN = 3e10  # overlap's FLOPs a kernel run holds before another partner starts a new one (comm.Overlap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class Pass:
     strategy: ClassVar[bool] = False       # a placement strategy (usable as --strategy NAME)
     default_comm: ClassVar[str] = "p2p"    # a strategy's communication mode in the default pipeline
     variants: ClassVar[tuple[str, ...]] = ()  # a strategy's other options that auto and plan bench also try
+    default_run: ClassVar[float] = DEFAULT_RUN  # a strategy's overlap{run=...} in the default pipeline
 
     def apply(self, ir: PlanIR) -> PlanIR:  # pragma: no cover - abstract
         raise NotImplementedError

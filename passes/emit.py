@@ -425,6 +425,8 @@ class _Compute:
     part_buf: np.ndarray      # ... their local buffer index
     part_first: np.ndarray    # ... flat (block, output) position of their first write
     part_last: np.ndarray     # ... the compute block (index into dev, cb, ...) that writes them last
+    run_first: np.ndarray     # per block: the first block of its kernel run (compute_runs), ...
+    run_last: np.ndarray      # ... and the last
 
 
 def compute_order(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
@@ -441,6 +443,36 @@ def compute_order(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
     partner = np.where(kv_away, pl.home[ck], pl.home[cq])
     shift = np.where(kv_away | q_away, (partner - dev) % pl.devices, -1)
     return np.lexsort((chg, ck, cq, shift, cst, dev))
+
+
+def compute_runs(g: BlockGraph, pl: Placement, s: Schedule, order: np.ndarray) -> np.ndarray:
+    """The kernel run of every block of ``order`` (:func:`compute_order`), as
+    ids ascending along it: per device and stage, the blocks needing nothing
+    remote are one run, and the others, grouped by partner, start a new one
+    only where the remote work before their partner's blocks reaches another
+    multiple of ``s.run_flops`` (0: a run per partner). Emit waits for a
+    run's messages before its first block and sends the partials it
+    finishes after its last, so a fused kernel covers the run: one launch,
+    not one per partner, for the price of waiting for all of its partners'
+    data (:class:`attnplan.passes.comm.Overlap`)."""
+    n = len(order)
+    if not n:
+        return np.zeros(0, _I64)
+    dev, st, ck, cq = pl.cb_device[order], s.cb_stage[order], g.cb_k[order], g.cb_q[order]
+    kv_away, q_away = pl.home[ck] != dev, pl.home[cq] != dev
+    remote = kv_away | q_away
+    partner = np.where(kv_away, pl.home[ck], pl.home[cq])
+    seg = np.r_[True, (dev[1:] != dev[:-1]) | (st[1:] != st[:-1])]
+    new = seg | np.r_[False, (partner[1:] != partner[:-1]) | (remote[1:] != remote[:-1])]
+    if s.run_flops > 0:
+        work = np.where(remote, g.cb_flops()[order], 0).astype(float)
+        before = np.cumsum(work) - work                       # remote work before each block, ...
+        before -= before[np.flatnonzero(seg)][np.cumsum(seg) - 1]  # ... within its device and stage
+        group_start = np.flatnonzero(new)
+        bucket = np.floor(before[group_start] / s.run_flops)[np.cumsum(new) - 1]
+        keep = ~seg & (remote == np.r_[False, remote[:-1]]) & (bucket == np.r_[-1.0, bucket[:-1]])
+        new &= ~keep
+    return np.cumsum(new) - 1
 
 
 def _compute_order(sh: _Phase):
@@ -483,7 +515,11 @@ def _compute(sh: _Phase) -> _Compute:
     kb = sh.lookup(dev, B_KV, ck, chg, who)
     targets = np.column_stack([cq] if sh.phase == FWD else [cq, ck])
     outs, pdev, rows, keys, pbuf, first, last = _partials(sh, dev, targets, chg)
-    return _Compute(dev, order, cst, _rank_in_group(dev), qb, kb, outs, pdev, rows, keys, pbuf, first, last)
+    run = compute_runs(sh.graph, sh.placement, sh.schedule, order)
+    starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]]) if len(run) else np.zeros(0, _I64)
+    ends = np.r_[starts[1:], len(run)] - 1
+    return _Compute(dev, order, cst, _rank_in_group(dev), qb, kb, outs, pdev, rows, keys, pbuf, first, last,
+                    starts[run], ends[run])
 
 
 # ---------------------------------------------------------------- events in program order
@@ -540,12 +576,33 @@ def _sort_rows(cols: np.ndarray) -> np.ndarray:
 _POST, _WAIT_POSTED, _COMPUTE = 0, 1, 2
 
 
-def _post_events(sh: _Phase) -> tuple[list[_Events], np.ndarray]:
+def _forward_places(sh: _Phase, c: _Compute, dev: np.ndarray, stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where a device forwards (waits for a block it received, then sends it
+    on) in posting stage ``stage``: with overlap, right after its blocks of
+    that stage that need nothing remote — a relay computes its own work
+    while what it forwards is on the way; else, and where it has no such
+    block, in the stage's posting. Returns (section, position)."""
+    section, pos = np.full(len(dev), _POST, _I64), np.full(len(dev), -1, _I64)
+    if not sh.schedule.overlap or not len(c.dev):
+        return section, pos
+    g, pl = sh.graph, sh.placement
+    cq, ck = g.cb_q[c.cb], g.cb_k[c.cb]
+    own = np.flatnonzero((pl.home[cq] == c.dev) & (pl.home[ck] == c.dev))
+    span = sh.schedule.stages
+    last = np.full(pl.devices * span, -1, _I64)
+    np.maximum.at(last, c.dev[own] * span + c.stage[own], c.local[own])
+    at = last[dev * span + stage]
+    return np.where(at >= 0, _COMPUTE, _POST), at
+
+
+def _post_events(sh: _Phase, c: _Compute) -> tuple[list[_Events], np.ndarray]:
     """Posting of messages: at the start of its posting stage, each device
-    posts its receives, then its data sends, each in message order (a
-    forwarded block's message is waited before the send that forwards it);
-    without overlap, data receives are waited right after posting. Returns
-    the events and the source buffer of every row of ``sh.out`` that is data."""
+    posts its receives, then its data sends, each in message order; a send
+    that forwards blocks received earlier waits for their messages first,
+    after the device's own blocks of that stage with overlap
+    (:func:`_forward_places`); without overlap, data receives are waited
+    right after posting. Returns the events and the source buffer of every
+    row of ``sh.out`` that is data."""
     nm = len(sh.post)
     msg, src, dst, data = sh.msgs, sh.msg_src, sh.msg_dst, sh.msg_data
     post = sh.post[msg]
@@ -558,13 +615,22 @@ def _post_events(sh: _Phase) -> tuple[list[_Events], np.ndarray]:
     sdev = sout[:, T_SRC]
     sb = sh.lookup(sdev, sout[:, T_KIND], sout[:, T_TB], sout[:, T_HG], lambda i: f"transfer t{sout[i, T_TAG]}")
     fwd = np.flatnonzero(sh.home[sout[:, T_TB]] != sdev)  # forwarding a block received earlier: wait for it first
+    forwards = np.zeros(nm, bool)
     if len(fwd):
         got = sh.message_of(sdev[fwd], sb[fwd])
         pair = np.unique(sh.out_msg[so[fwd]] * nm + got)
         m_out, m_in = pair // nm, pair % nm
+        forwards[m_out] = True
         dev = sh.msg_src[np.searchsorted(sh.msgs, m_out)]
-        ev.append(_Events.make(dev, sh.post[m_out], _POST, nm + m_out, 0, m_in, _code(WAIT, m_in), m_in))
-    ev.append(_Events.make(src[data], post[data], _POST, nm + msg[data], 1, 0, _code(SEND, msg[data], dst[data])))
+        section, at = _forward_places(sh, c, dev, sh.post[m_out])
+        late = section == _COMPUTE  # after the block at ``at`` (sub 2), before any partial send of it (sub 3)
+        ev.append(_Events.make(dev, sh.post[m_out], section, np.where(late, at, nm + m_out), np.where(late, 4, 0),
+                               np.where(late, m_out * nm + m_in, m_in), _code(WAIT, m_in), m_in))
+    sm, sd, sp = msg[data], dst[data], post[data]
+    section, at = _forward_places(sh, c, src[data], sp)
+    late = forwards[sm] & (section == _COMPUTE)
+    ev.append(_Events.make(src[data], sp, np.where(late, _COMPUTE, _POST), np.where(late, at, nm + sm),
+                           np.where(late, 4, 1), np.where(late, sm * nm + nm - 1, 0), _code(SEND, sm, sd)))
     return ev, sb
 
 
@@ -574,7 +640,8 @@ def _compute_events(sh: _Phase, c: _Compute) -> list[_Events]:
     for sub, b in ((0, c.qb), (1, c.kb)):
         rcv = np.flatnonzero(b >= sh.n_home[c.dev])  # operands are home or received, never partial
         m = sh.message_of(c.dev[rcv], b[rcv])
-        ev.append(_Events.make(c.dev[rcv], c.stage[rcv], _COMPUTE, c.local[rcv], sub, 0, _code(WAIT, m), m))
+        at = c.run_first[rcv]  # before the first block of its run
+        ev.append(_Events.make(c.dev[rcv], c.stage[rcv], _COMPUTE, c.local[at], sub, 0, _code(WAIT, m), m))
     if sh.phase == FWD:
         attn = _code(ATTN, c.cb, c.qb, c.kb, c.outs[:, 0])
     else:
@@ -599,7 +666,7 @@ def _partial_sends(sh: _Phase, c: _Compute) -> tuple[_Events, np.ndarray, np.nda
     if sh.schedule.overlap:
         last = np.full(len(sh.post), -1, _I64)
         np.maximum.at(last, sh.out_msg[po], c.part_last[pidx])
-        anchor = last[msg]
+        anchor = c.run_last[last[msg]]  # after the run of its last writer
     else:  # after the device's last block
         anchor = np.searchsorted(c.dev, src, side="right") - 1
     ev = _Events.make(src, c.stage[anchor], _COMPUTE, c.local[anchor], 3, msg, _code(SEND, msg, dst))
@@ -708,7 +775,7 @@ def _emit_phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post
     the phase's source and receive buffer columns of ``X``."""
     sh = _phase(ir, X, tmsg, M, post, born, cross, phase)
     c = _compute(sh)
-    posts, data_sb = _post_events(sh)
+    posts, data_sb = _post_events(sh, c)
     sends, po, part_sb = _partial_sends(sh, c)
     body, waited = _program_order(_Events.concat(posts + _compute_events(sh, c) + [sends]))
     tail = _tail(sh, c, waited).in_order()[:2]

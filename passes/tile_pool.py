@@ -230,6 +230,7 @@ class TilePool(Pass):
     that hold the data (false: least-loaded only)."""
 
     name = "tile_pool"
+    default_run = 0.0  # a kernel run per partner: its partners' data arrive far apart (comm.Overlap)
     needs = ("graph",)
     strategy = True
     eps: float = 0.04

@@ -65,6 +65,7 @@ def usp_segments(tokens: int, ranks: int, degree: int) -> tuple[np.ndarray, np.n
 @dataclass(frozen=True, slots=True)
 class Usp(Pass):
     name = "usp"
+    default_run = 0.0  # a kernel run per partner: its partners' data arrive far apart (comm.Overlap)
     needs = ("graph",)
     strategy = True
     ulysses: int = 0  # Ulysses degree U (devices per group); 0: the most of one node dividing kv_heads and N

@@ -28,22 +28,16 @@ from ..ir.mask import HI, INF, K0, K1, LO, Q0, Q1, Pieces
 from ..ir.module import PlanIR
 from ..ir.problem import Problem
 from ..ir.program import BBYTES, BWD, FWD
-from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategies
-from ..passes.comm import default_comm
+from ..passes import parse_pipeline, run_pipeline, strategies
+from ..passes.default import default_pipeline
 from .ir import StepPlan, StepProblem
 from .mesh import Mesh
 from .model import Model, load_model
 
 
 def pipeline_text(strategy: str, block_size: int) -> str:
-    """The default attention pipeline of :func:`attnplan.api.default_pipeline`, one step a line."""
-    return ",".join([
-        f"tile{{block={block_size}}}",                       # token blocks per sample, the block graph
-        strategy,                                           # placement
-        f"comm{{{default_comm(REGISTRY[strategy].default_comm)}}}",  # transfers (p2p + node relays, or ring)
-        "overlap",                                          # next stage's transfers fly during compute
-        "emit",                                             # per-device instruction streams, fwd + bwd
-    ])
+    """The default attention pipeline (:func:`attnplan.passes.default.default_pipeline`)."""
+    return default_pipeline(strategy, block_size)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

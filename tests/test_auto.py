@@ -6,6 +6,7 @@ strategy, and everything recorded is a pure function of the inputs."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -304,7 +305,9 @@ def test_estimate_orders_placements_as_the_simulator(fused, within):
     (unfused) that dominates and the estimate is within 25 % of the predicted
     time; fused (a launch per run of blocks) the whole forward is ~0.2 ms and
     the waits the estimate cannot see (it overlaps a device's compute with
-    its traffic) are a larger share: within 50 %."""
+    its traffic) are a larger share: within 50 %. Placements whose predicted
+    times are within 5 % of each other (minheap and hypergraph fused: 0.597
+    and 0.600 ms) are a tie the estimate need not break."""
     prof = dataclasses.replace(get_profile("h100"), fused=fused)
     lens = [60000, 9000, 3000] + [500] * 40
     est, pred = {}, {}
@@ -313,7 +316,9 @@ def test_estimate_orders_placements_as_the_simulator(fused, within):
         est[name] = estimate(ir, prof, REGISTRY[strategy_name(name)].default_comm).total_s
         pred[name] = simulate(full.ir, prof)["predicted_s"]
         assert within * pred[name] <= est[name] <= pred[name]
-    assert sorted(est, key=est.get) == sorted(pred, key=pred.get)
+    for a, b in itertools.permutations(pred, 2):
+        if pred[a] < 0.95 * pred[b]:
+            assert est[a] < est[b], (a, b, est, pred)
 
 
 def test_deterministic_and_pure():

@@ -80,7 +80,7 @@ from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers
 from ..passes.comm import HOP_CROSS, reduce_rows
-from ..passes.emit import compute_order
+from ..passes.emit import compute_order, compute_runs
 
 
 def release_bound(dev: np.ndarray, release: np.ndarray, seconds: np.ndarray, n: int,
@@ -132,6 +132,10 @@ class _Shape:
     mstage: np.ndarray      # per message: its stage
     forwards: np.ndarray    # [k, 2]: (message, a message it forwards a block of) pairs
     partials: tuple         # per phase: ((rows (tb, hg, src, dst), kind, position of the last writer per row), ...)
+    run_first: np.ndarray   # per position: the first position of its kernel run (emit.compute_runs)
+    run_last: np.ndarray    # ... and the last
+    own_last: np.ndarray    # [device, stage]: the position of its last block there needing nothing remote (-1:
+    #                         none); with overlap a relay forwards right after it (emit)
 
 
 def _shape(ir: PlanIR) -> _Shape:
@@ -154,9 +158,16 @@ def _shape(ir: PlanIR) -> _Shape:
         o, dkv = _sent_from_compute(o, pl.devices_per_node), _sent_from_compute(dkv, pl.devices_per_node)
     o_last, kv_last = _last_writer(g, pl, o, False, pos), _last_writer(g, pl, dkv, True, pos)
     mstage, msrc, mdst = keys // (n * n), (keys // n) % n, keys % n
+    run = compute_runs(g, pl, s, order)
+    rstart = np.flatnonzero(np.r_[True, run[1:] != run[:-1]]) if len(run) else np.zeros(0, np.int64)
+    rend = np.r_[rstart[1:], len(run)] - 1
+    own = np.flatnonzero((pl.home[g.cb_q[order]] == dev) & (pl.home[g.cb_k[order]] == dev))
+    own_last = np.full((n, s.stages), -1, np.int64)
+    np.maximum.at(own_last, (dev[own], s.cb_stage[order][own]), own)
     return _Shape(order, dev, s.cb_stage[order], starts, x, msg, msrc, mdst, need, _sweep(pl, x, mstage), mstage,
                   _forwards(g, pl, x, msg, received),
-                  (((o, B_O, o_last),), ((o, B_DQ, o_last), (dkv, B_DKV, kv_last))))
+                  (((o, B_O, o_last),), ((o, B_DQ, o_last), (dkv, B_DKV, kv_last))),
+                  rstart[run], rend[run], own_last)
 
 
 def _sent_from_compute(rows: np.ndarray, per_node: int) -> np.ndarray:
@@ -340,12 +351,13 @@ def _partial_messages(ir: PlanIR, sh: _Shape, rows: np.ndarray, last: np.ndarray
 
 
 def _posting_waits(ir: PlanIR, sh: _Shape, arrival: np.ndarray, start: np.ndarray, chain: np.ndarray) -> None:
-    """Waits in a stage's posting, before any of its blocks (emit): a device
-    waits for every block it forwards before posting the send, and without
-    overlap for every data message it receives right after posting. Raises
-    ``start`` (per block in program order: a lower bound of its start) at a
-    device's first block of that stage or later, and ``chain`` (per device: a
-    lower bound of its end)."""
+    """Waits outside the blocks' own (emit): a device waits for every block
+    it forwards before posting the send — in the stage's posting, or with
+    overlap right after its blocks of that stage that need nothing remote
+    (:func:`_forward_after`) — and without overlap for every data message
+    it receives right after posting. Raises ``start`` (per block in program
+    order: a lower bound of its start) at the first block after the wait,
+    and ``chain`` (per device: a lower bound of its end)."""
     s = ir.need_schedule()
     post = np.maximum(sh.mstage - 1, 0) if s.overlap else sh.mstage
     out, inp = sh.forwards[:, 0], sh.forwards[:, 1]
@@ -357,9 +369,21 @@ def _posting_waits(ir: PlanIR, sh: _Shape, arrival: np.ndarray, start: np.ndarra
     span = int(max(s.stages, int(sh.stage.max(initial=0)) + 1, int(at.max(initial=0)) + 1))
     key = sh.dev * span + sh.stage  # ascending: program order is device, then stage
     pos = np.searchsorted(key, dev * span + at)
+    if s.overlap and len(out):  # the forwards of a device with blocks of its own in that stage: after them
+        late = _forward_after(sh, dev[:len(out)], at[:len(out)])
+        pos[:len(out)] = np.where(late >= 0, late, pos[:len(out)])
     ok = pos < len(key)
     ok[ok] = sh.dev[pos[ok]] == dev[ok]
     np.maximum.at(start, pos[ok], wait[ok])
+
+
+def _forward_after(sh: _Shape, dev: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    """With overlap: the position of the block right after the forwards of
+    ``dev`` in posting stage ``stage`` where they come after its own blocks
+    of that stage (emit ``_forward_places``); -1 where they are in the
+    posting. The position may be past the device's blocks (checked by the callers)."""
+    last = sh.own_last[dev, stage]
+    return np.where(last >= 0, last + 1, -1)
 
 
 def _sweep_arrivals(sh: _Shape, msec: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -407,23 +431,32 @@ def schedule_bound(ir: PlanIR, prof) -> tuple[float, float]:
 def _run_starts(ir: PlanIR, sh: _Shape, phase: int) -> np.ndarray:
     """Positions (in program order) of blocks that surely begin a run of
     consecutive compute instructions (a fused profile launches one kernel
-    per run): a device's first block; and with overlap a block that waits
-    for a message first (emit puts the wait right before it, unless the
-    device waits for it earlier: while posting a forward), and the block
-    after the last writer of a device's partials for one home (a message of
-    partials is sent right after its last writer, and whatever the stages
-    split them into, one message holds that last one)."""
+    per run): a device's first block; and with overlap the first block of
+    the kernel run (:func:`attnplan.passes.emit.compute_runs`) of a block
+    that waits for a message first (emit puts the wait right before that
+    run, unless the device waits for it earlier: while forwarding), the
+    block after the run of the last writer of a device's partials for one
+    home (a message of partials is sent right after that run, and whatever
+    the stages split them into, one message holds that last one), and the
+    block after a device's forwards where they follow its own blocks."""
     first = [sh.starts]
     if ir.need_schedule().overlap:
+        after = []
         if sh.need is not None:
             forwarded = np.zeros(len(sh.msrc), bool)
             forwarded[sh.forwards[:, 1]] = True
-            first.append(sh.need[(sh.need < len(sh.order)) & ~forwarded])
+            first.append(sh.run_first[sh.need[(sh.need < len(sh.order)) & ~forwarded]])
+        out = sh.forwards[:, 0]
+        if len(out):
+            post = np.maximum(sh.mstage[out] - 1, 0)
+            late = _forward_after(sh, sh.msrc[out], post)
+            after.append(late[late >= 0])
         mx = np.full(ir.devices * ir.devices, -1, np.int64)  # per (source, home): its last partial's writer
         for rows, _, last in sh.partials[phase]:  # dQ and dKV share messages: one maximum over both
             np.maximum.at(mx, rows[:, 2] * ir.devices + rows[:, 3], last)
-        after = mx[mx >= 0] + 1
-        ok = after < len(sh.dev)
-        ok[ok] = sh.dev[after[ok]] == sh.dev[after[ok] - 1]
-        first.append(after[ok])
+        after.append(sh.run_last[mx[mx >= 0]] + 1)
+        nxt = np.concatenate(after).astype(np.int64)
+        ok = nxt < len(sh.dev)
+        ok[ok] = sh.dev[nxt[ok]] == sh.dev[nxt[ok] - 1]
+        first.append(nxt[ok])
     return np.unique(np.concatenate(first).astype(np.int64))
