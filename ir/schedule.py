@@ -41,7 +41,7 @@ class Schedule:
     def to_text(self, limit: int = 40) -> str:
         lines = [f"schedule stages={self.stages} transfers={len(self.xfer)} overlap={self.overlap}"
                  + (" collective=True" if self.collective else "") + (" reduce=node" if self.reduce else "")
-            + (f" run={self.run_flops:g}" if self.run_flops else "")]
+                 + (f" run={self.run_flops:g}" if self.run_flops else "")]
         for k, tb, hg, s, d, st in self.xfer[:limit].tolist():
             lines.append(f"  stage {st}: {XFER_KIND_NAMES[k]}[tb{tb},hg{hg}] d{s} -> d{d}")
         if len(self.xfer) > limit:

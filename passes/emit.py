@@ -427,6 +427,7 @@ class _Compute:
     part_last: np.ndarray     # ... the compute block (index into dev, cb, ...) that writes them last
     run_first: np.ndarray     # per block: the first block of its kernel run (compute_runs), ...
     run_last: np.ndarray      # ... and the last
+    own_last: np.ndarray      # [device, stage]: its last block needing nothing remote (-1: none; own_last)
 
 
 def compute_order(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
@@ -475,6 +476,25 @@ def compute_runs(g: BlockGraph, pl: Placement, s: Schedule, order: np.ndarray) -
     return np.cumsum(new) - 1
 
 
+def run_bounds(run: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per position of ``run`` (ids ascending, :func:`compute_runs`): the
+    first and the last position of its run."""
+    starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]]) if len(run) else np.zeros(0, _I64)
+    ends = np.r_[starts[1:], len(run)] - 1
+    return starts[run], ends[run]
+
+
+def own_last(g: BlockGraph, pl: Placement, s: Schedule, order: np.ndarray) -> np.ndarray:
+    """``[device, stage]``: the position in ``order`` of the device's last
+    block of that stage needing nothing remote (-1: none); with overlap a
+    relay forwards right after it."""
+    dev = pl.cb_device[order]
+    own = np.flatnonzero((pl.home[g.cb_q[order]] == dev) & (pl.home[g.cb_k[order]] == dev))
+    out = np.full((pl.devices, s.stages), -1, _I64)
+    np.maximum.at(out, (dev[own], s.cb_stage[order][own]), own)
+    return out
+
+
 def _compute_order(sh: _Phase):
     g, pl = sh.graph, sh.placement
     order = compute_order(g, pl, sh.schedule)
@@ -515,11 +535,9 @@ def _compute(sh: _Phase) -> _Compute:
     kb = sh.lookup(dev, B_KV, ck, chg, who)
     targets = np.column_stack([cq] if sh.phase == FWD else [cq, ck])
     outs, pdev, rows, keys, pbuf, first, last = _partials(sh, dev, targets, chg)
-    run = compute_runs(sh.graph, sh.placement, sh.schedule, order)
-    starts = np.flatnonzero(np.r_[True, run[1:] != run[:-1]]) if len(run) else np.zeros(0, _I64)
-    ends = np.r_[starts[1:], len(run)] - 1
+    run_first, run_last = run_bounds(compute_runs(sh.graph, sh.placement, sh.schedule, order))
     return _Compute(dev, order, cst, _rank_in_group(dev), qb, kb, outs, pdev, rows, keys, pbuf, first, last,
-                    starts[run], ends[run])
+                    run_first, run_last, own_last(sh.graph, sh.placement, sh.schedule, order))
 
 
 # ---------------------------------------------------------------- events in program order
@@ -582,17 +600,10 @@ def _forward_places(sh: _Phase, c: _Compute, dev: np.ndarray, stage: np.ndarray)
     that stage that need nothing remote — a relay computes its own work
     while what it forwards is on the way; else, and where it has no such
     block, in the stage's posting. Returns (section, position)."""
-    section, pos = np.full(len(dev), _POST, _I64), np.full(len(dev), -1, _I64)
     if not sh.schedule.overlap or not len(c.dev):
-        return section, pos
-    g, pl = sh.graph, sh.placement
-    cq, ck = g.cb_q[c.cb], g.cb_k[c.cb]
-    own = np.flatnonzero((pl.home[cq] == c.dev) & (pl.home[ck] == c.dev))
-    span = sh.schedule.stages
-    last = np.full(pl.devices * span, -1, _I64)
-    np.maximum.at(last, c.dev[own] * span + c.stage[own], c.local[own])
-    at = last[dev * span + stage]
-    return np.where(at >= 0, _COMPUTE, _POST), at
+        return np.full(len(dev), _POST, _I64), np.full(len(dev), -1, _I64)
+    at = c.own_last[dev, stage]
+    return np.where(at >= 0, _COMPUTE, _POST), np.where(at >= 0, c.local[np.maximum(at, 0)], -1)
 
 
 def _post_events(sh: _Phase, c: _Compute) -> tuple[list[_Events], np.ndarray]:

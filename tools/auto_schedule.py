@@ -80,7 +80,7 @@ from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers
 from ..passes.comm import HOP_CROSS, reduce_rows
-from ..passes.emit import compute_order, compute_runs
+from ..passes.emit import compute_order, compute_runs, own_last, run_bounds
 
 
 def release_bound(dev: np.ndarray, release: np.ndarray, seconds: np.ndarray, n: int,
@@ -158,16 +158,11 @@ def _shape(ir: PlanIR) -> _Shape:
         o, dkv = _sent_from_compute(o, pl.devices_per_node), _sent_from_compute(dkv, pl.devices_per_node)
     o_last, kv_last = _last_writer(g, pl, o, False, pos), _last_writer(g, pl, dkv, True, pos)
     mstage, msrc, mdst = keys // (n * n), (keys // n) % n, keys % n
-    run = compute_runs(g, pl, s, order)
-    rstart = np.flatnonzero(np.r_[True, run[1:] != run[:-1]]) if len(run) else np.zeros(0, np.int64)
-    rend = np.r_[rstart[1:], len(run)] - 1
-    own = np.flatnonzero((pl.home[g.cb_q[order]] == dev) & (pl.home[g.cb_k[order]] == dev))
-    own_last = np.full((n, s.stages), -1, np.int64)
-    np.maximum.at(own_last, (dev[own], s.cb_stage[order][own]), own)
+    run_first, run_last = run_bounds(compute_runs(g, pl, s, order))
     return _Shape(order, dev, s.cb_stage[order], starts, x, msg, msrc, mdst, need, _sweep(pl, x, mstage), mstage,
                   _forwards(g, pl, x, msg, received),
                   (((o, B_O, o_last),), ((o, B_DQ, o_last), (dkv, B_DKV, kv_last))),
-                  rstart[run], rend[run], own_last)
+                  run_first, run_last, own_last(g, pl, s, order))
 
 
 def _sent_from_compute(rows: np.ndarray, per_node: int) -> np.ndarray:
