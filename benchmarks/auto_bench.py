@@ -7,8 +7,8 @@ repeat running, one after the other:
 
 * the exhaustive search: compile every strategy alone (its compile seconds)
   — and at 32 devices every p2p strategy also without node reduces
-  (``name:relay``) and without relays either (``name:direct``), as auto
-  tries them — and simulate it (its predicted time); the one with the lowest predicted
+  (``name:relay``), without relays either (``name:direct``) and with the
+  in-node tree (``name:tree``), as auto tries them — and simulate it (its predicted time); the one with the lowest predicted
   time is the exhaustive choice (ties: the lower estimate, then the name —
   ``attnplan.tools.auto.choice_key``, as ``auto``; the estimate is taken
   from the compiled plan, outside the timed compile);
@@ -55,25 +55,25 @@ PROFILE = "h100"
 
 
 def compile_(seqlens, devices: int, mask: str, strategy: str):
-    """``strategy``: a name, ``auto``, or ``name:relay`` / ``name:direct`` (auto's candidates without node
-    reduces, or without relays and reduces): compile takes them as they are."""
+    """``strategy``: a name, ``auto``, or ``name:relay`` / ``name:direct`` / ``name:tree`` (auto's candidates
+    without node reduces, without relays and reduces, or with the in-node tree): compile takes them as they are."""
     return attnplan.compile(seqlens, mask, devices=devices, nodes=max(1, devices // 8), profile=PROFILE,
                             strategy=strategy, **SHAPE)
 
 
 def candidates(devices: int) -> list[str]:
     """What auto chooses from: every strategy and its variants (span{grain=2}), and on several nodes every
-    p2p one without node reduces and without either."""
+    p2p one without node reduces, without either, and with the in-node tree."""
     names = list(strategy_entries())
-    other = [f"{n}:{v}" for n in names for v in ("relay", "direct")
+    other = [f"{n}:{v}" for n in names for v in ("relay", "direct", "tree")
              if REGISTRY[strategy_name(n)].default_comm == "p2p"] if devices > 8 else []
     return names + other
 
 
 def exhaustive(seqlens, devices: int, mask: str) -> dict:
     """Every candidate compiled alone and simulated: {name: {compile_s, simulate_s, predicted_s} or error};
-    ``name:relay`` and ``name:direct`` only where they are other plans than ``name`` (``comm_variants``, as
-    auto)."""
+    ``name:relay``, ``name:direct`` and ``name:tree`` only where they are other plans than ``name``
+    (``comm_variants``, as auto)."""
     out: dict = {}
     for name in candidates(devices):
         head, _, variant = name.partition(":")

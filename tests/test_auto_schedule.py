@@ -26,7 +26,7 @@ from attnplan.tools.auto_schedule import release_bound, schedule_bound
 
 SHAPE = dict(heads=4, kv_heads=2, head_dim=16)
 COMMS = ["mode=p2p,relay=node", "mode=p2p,relay=node,reduce=node", "mode=p2p", "mode=ring", "mode=allgather",
-         "mode=allgather_ring"]
+         "mode=allgather_ring", "mode=p2p,relay=tree,reduce=node"]
 
 
 RUNS = [0.0, 1e6, 1e8, 3e10]  # overlap{run=...}: a run per partner, a few partners a run, every partner one run

@@ -83,7 +83,8 @@ def schedules(draw):
         return None
     comm = draw(st.sampled_from(["comm{mode=p2p}", "comm{mode=ring}", "comm{mode=allgather}",
                                  "comm{mode=p2p,relay=node}", "comm{mode=a2a}", "comm{mode=allgather_ring}",
-                                 "comm{mode=p2p,reduce=node}", "comm{mode=p2p,relay=node,reduce=node}"]))
+                                 "comm{mode=p2p,reduce=node}", "comm{mode=p2p,relay=node,reduce=node}",
+                                 "comm{mode=p2p,relay=tree}", "comm{mode=p2p,relay=tree,reduce=node}"]))
     divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if comm in ("comm{mode=p2p}", "comm{mode=allgather}",
                                                                      "comm{mode=p2p,reduce=node}") \
         and draw(st.booleans()) else ""

@@ -91,11 +91,12 @@ with those options, :func:`attnplan.passes.base.strategy_entries`).
 A placed strategy enters the search as one candidate per schedule auto
 tries for it (:func:`tails`): its default pipeline (node relays and node
 reduces), and, for a p2p strategy on several nodes, ``name:relay`` (no node
-reduces) and ``name:direct`` (neither), each bounded by its own estimate.
+reduces), ``name:direct`` (neither) and ``name:tree`` (relays, then
+recursive doubling inside each node), each bounded by its own estimate.
 
 The chosen plan's IR and pipeline are exactly those of ``compile(strategy=
-winner)`` (``name:relay`` and ``name:direct`` too: the default pipeline
-with the comm step of that variant). Its ``meta`` records, as pure functions of the inputs (no
+winner)`` (``name:relay``, ``name:direct`` and ``name:tree`` too: the default
+pipeline with the comm step of that variant). Its ``meta`` records, as pure functions of the inputs (no
 timings): ``candidates`` (predicted seconds of the simulated ones),
 ``estimates`` (the estimate of every strategy that was placed) and
 ``pruned`` (strategy → why it was not simulated: its bound — a preview
@@ -124,7 +125,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -137,7 +138,7 @@ from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers, verify
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategy_entries, strategy_name
 from ..passes.comm import (COMM_VARIANTS, HOP_CROSS, HOP_GATHER, default_reduce, default_relay, reduce_rows,
-                           relay_rows, ring_kv)
+                           relay_rows, ring_kv, tree_data_rows)
 from .auto_preview import SAMPLE_SEGMENTS, sample_docs, segment_bound
 from .auto_schedule import schedule_bound
 
@@ -153,8 +154,9 @@ class Estimate:
     compute_s: float   # the busiest device's forward + backward compute
     comm_s: float      # the busiest device's forward + backward send or receive queue
     comm_bytes: int    # every transfer of both phases once (what the plan's transfers will total)
-    relayed: int = 0   # Q and KV transfers forwarded inside a node (node relays)
+    relayed: int = 0   # Q and KV transfers forwarded inside a node (node relays, or the tree's hops)
     gathered: int = 0  # partials summed inside their node before crossing (node reduces)
+    spread: int = 0    # the Q and KV transfers relay=tree forwards beyond the node relays' (0: the same plan)
 
     @property
     def total_s(self) -> float:
@@ -187,8 +189,12 @@ def _routes(g, pl, need, mode: str, relay: str) -> tuple[np.ndarray, np.ndarray,
     """Q and KV transfers as rows ``(tb, hg, src, dst)`` with the message group
     of each (its stage: the ring hop, or the relay stage), routed as
     ``comm{mode=mode,relay=relay}`` routes them: the needed ones (p2p), every
-    hop of the ring, or p2p with node relays (:func:`relay_rows`)."""
+    hop of the ring, or p2p with node relays (:func:`relay_rows`) or with
+    relays and an in-node tree (``relay=tree``: its stage is the group)."""
     q, kv = need[X_Q], need[X_KV]
+    if mode == "p2p" and relay == "tree":
+        rq, rkv = tree_data_rows(need, pl.devices_per_node, pl.nodes)
+        return rq[:, [XTB, XHG, XSRC, XDST]], rq[:, XSTAGE], rkv[:, [XTB, XHG, XSRC, XDST]], rkv[:, XSTAGE]
     if mode == "ring" and pl.devices > 1:
         rows, _ = ring_kv(g, pl)
         return q, np.zeros(len(q), np.int64), rows[:, [XTB, XHG, XSRC, XDST]], rows[:, XSTAGE]
@@ -224,24 +230,36 @@ def estimates(ir: PlanIR, prof, comm_mode: str, routes: list) -> list[Estimate]:
     data: dict = {}
     partials: dict = {}
     out = []
+    def routed(relay):
+        if relay not in data:
+            data[relay] = _routes(g, pl, need, comm_mode, relay)
+        return data[relay]
+
     for relay, reduce in routes:
         relay = default_relay(comm_mode) if relay is None else relay
         reduce = default_reduce(comm_mode) if reduce is None else reduce
         on = comm_mode == "p2p" and reduce == "node"
-        if relay not in data:
-            data[relay] = _routes(g, pl, need, comm_mode, relay)
         if on not in partials:
             partials[on] = (_partial_routes(need[X_O], pl, on), _partial_routes(need[X_KV][:, [0, 1, 3, 2]], pl, on))
-        out.append(_estimate(g, n, per_node, prof, compute, comm_mode, data[relay], partials[on]))
+        est = _estimate(g, pl.home, n, per_node, prof, compute, comm_mode, routed(relay), partials[on])
+        if comm_mode == "p2p" and relay == "node" and pl.nodes > 1:  # whether the tree is another plan
+            est = replace(est, spread=_forwarded(routed("tree"), pl.home) - est.relayed)
+        out.append(est)
     return out
 
 
-def _estimate(g, n: int, per_node: int, prof, compute: np.ndarray, comm_mode: str, data: tuple,
+def _forwarded(data: tuple, home: np.ndarray) -> int:
+    """Q and KV transfers of routes (:func:`_routes`) sent by a device that is not the block's home."""
+    q, _, kv, _ = data
+    return int((q[:, 2] != home[q[:, 0]]).sum() + (kv[:, 2] != home[kv[:, 0]]).sum())
+
+
+def _estimate(g, home: np.ndarray, n: int, per_node: int, prof, compute: np.ndarray, comm_mode: str, data: tuple,
               partials: tuple) -> Estimate:
     """One schedule's estimate from its routes (:func:`estimates`)."""
     q, q_hop, kv, hop = data
     (o, o_hop), (dkv, dkv_hop) = partials
-    relayed = int(q_hop.sum() + hop.sum()) if comm_mode == "p2p" else 0
+    relayed = _forwarded(data, home) if comm_mode == "p2p" else 0
     PARTIAL = -1  # partials travel apart from data (a group of their own; a node's sums another)
 
     def part(rows: np.ndarray, phase: int, kind: int, group):
@@ -350,10 +368,11 @@ def place(name: str, tiled: PlanIR, strategy_pass, kwargs: dict, prof) -> Placed
         ir = _run(tiled, [strategy_pass], kwargs)
         mode = REGISTRY[strategy_name(name)].default_comm
         several = mode == "p2p" and ir.need_placement().nodes > 1
-        est, *rest = estimates(ir, prof, mode, [(None, None)] + ([(None, "none"), ("none", "none")] if several else []))
+        est, *rest = estimates(ir, prof, mode, [(None, None)] + ([(None, "none"), ("none", "none"), ("tree", None)]
+                                                                 if several else []))
     except PlanError as e:
         return Placed(name, error=_reason(e), seconds=time.perf_counter() - t0)
-    by = dict(zip(("relay", "direct"), rest))
+    by = dict(zip(("relay", "direct", "tree"), rest))
     others = tuple((v, comm, by[v]) for v, comm in comm_variants(name, est))
     return Placed(name, ir, est, seconds=time.perf_counter() - t0, others=others)
 
@@ -414,7 +433,13 @@ def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
     after its aggregator's last block), unless the reduce sums nothing or
     the relay forwards nothing (then it is ``name:direct``), and without
     either (``name:direct``; the relay loses on some batches too: its relayed
-    blocks' compute waits for a second stage), unless neither does anything.
+    blocks' compute waits for a second stage), unless neither does anything;
+    and with the in-node tree (``name:tree``: node relays, then recursive
+    doubling inside each node, :func:`attnplan.passes.comm.tree_rows`) where
+    it forwards more than the relays (``Estimate.spread``): it wins where one
+    document spans whole nodes (lmsys-128k-0 at 32 devices: 3.12 -> 2.52 of
+    the bound) and loses where documents span a few devices (its blocks
+    reach the last members a stage or two later).
     ``divide`` and turning ``overlap`` off are not tried: on the 128K
     batches at 8 devices neither ever predicted a faster plan."""
     return [(p.name, None, p.total_s)] + [(f"{p.name}:{v}", comm, e.total_s) for v, comm, e in p.others]
@@ -430,12 +455,9 @@ def comm_variants(name: str, est: Estimate) -> list[tuple[str, str]]:
     out = [("relay", COMM_VARIANTS["relay"])] if est.gathered > 0 and est.relayed > 0 else []
     if est.gathered > 0 or est.relayed > 0:
         out.append(("direct", "mode=p2p"))
+    if est.spread > 0:
+        out.append(("tree", COMM_VARIANTS["tree"]))
     return out
-
-
-def has_direct(name: str, est: Estimate) -> bool:
-    """Whether ``name:direct`` is another plan than ``name``'s default."""
-    return any(v == "direct" for v, _ in comm_variants(name, est))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -489,12 +511,12 @@ def choice_key(predicted_s: float, estimate_s: float, name: str) -> tuple[float,
 
 
 def candidate_estimate(ir: PlanIR, key: str, prof) -> float:
-    """The estimate auto gives candidate ``key`` (``name``, ``name:relay``
-    or ``name:direct``) from its placed or compiled IR (comm, overlap and
+    """The estimate auto gives candidate ``key`` (``name``, ``name:relay``,
+    ``name:direct`` or ``name:tree``) from its placed or compiled IR (comm, overlap and
     emit change neither graph nor placement)."""
     name, _, variant = key.partition(":")
     mode = REGISTRY[strategy_name(name)].default_comm
-    relay = "none" if variant == "direct" else None
+    relay = "none" if variant == "direct" else "tree" if variant == "tree" else None
     reduce = "none" if variant in ("direct", "relay") else None
     return estimate(ir, prof, mode, relay, reduce).total_s
 

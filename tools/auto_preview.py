@@ -88,9 +88,9 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     fwd = (prof.launch_s * launches(blocks, prof) + 4.0 * p.head_dim * p.heads * pairs / prof.flops) / rate
     if not n:
         return 0.0
-    recv, send_b, node = kv_bound(tiled, cuts, dev, rows, qb, prof)
+    recv, send_b, node, node_out = kv_bound(tiled, cuts, dev, rows, qb, prof)
     bwd = np.maximum(np.maximum(fwd * prof.bwd_factor, recv), send_b)
-    return float(max(np.maximum(fwd, recv).max(), node) + max(bwd.max(), node))
+    return float(max(np.maximum(fwd, recv).max(), node) + max(bwd.max(), node, node_out))
 
 
 def sampled_pieces(p, docs: np.ndarray, cut_from: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,36 +131,39 @@ def sample_docs(p, starts: np.ndarray, limit: int | None = None) -> np.ndarray |
 
 
 def kv_bound(tiled: PlanIR, cuts: np.ndarray, dev: np.ndarray, rows: np.ndarray, qb: np.ndarray, prof
-             ) -> tuple[np.ndarray, np.ndarray, float]:
+             ) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Seconds of transfers a placement that computes where Q lives (the
     token blocks ``cuts`` homed on ``dev``, the pieces ``rows`` clipped to q
     block ``qb``) cannot avoid. A tightened piece needs every key of
     ``[K0, K1)``, so a device receives at least the keys its pieces reach
     that live elsewhere (in whole blocks: at least those tokens), in each
     phase, each at no more than the faster link's bandwidth; in the backward
-    it sends each of those keys' partial dK/dV home (fp32, never relayed: at
-    the inter-node bandwidth for keys homed on another node); and the keys a
-    node's devices reach on other nodes cross into it over its devices'
-    inter-node links at least once (relays included), so some device of the
-    node spends at least a 1/devices_per_node share of that crossing. Returns
+    it sends each of those keys' partial dK/dV out (fp32, home or to its
+    node's aggregator under a node reduce: at the faster link's bandwidth
+    too); the keys a node's devices reach on other nodes cross into it over
+    its devices' inter-node links at least once (relays included), and their
+    partial dK/dV cross out of it at least once (a node reduce's sums
+    included), so some device of the node spends at least a 1/devices_per_node
+    share of each crossing, on its receive and on its send queue. Returns
     (per device: KV receive seconds, backward partial send seconds; the node
-    term). Zero for per-head masks and KV-head copies (not every head group
-    then needs every key)."""
+    terms in and out). Zero for per-head masks and KV-head copies (not every
+    head group then needs every key)."""
     g, n, per_node = tiled.need_graph(), tiled.devices, tiled.devices // tiled.nodes
     p = tiled.problem
     if p.head_class is not None or g.kv_rep != 1 or not len(rows):
-        return np.zeros(n), np.zeros(n), 0.0
+        return np.zeros(n), np.zeros(n), 0.0, 0.0
     kv_token = 2.0 * p.kv_heads * p.head_dim * p.dtype_bytes
     dkv_token = 2.0 * p.kv_heads * p.head_dim * 4
     starts, lens, owner = cuts[:-1], np.diff(cuts), dev[qb]
     remote = _remote_keys(owner, rows[:, K0], rows[:, K1], starts, lens, dev, n)
-    far = _remote_keys(owner, rows[:, K0], rows[:, K1], starts, lens, dev // per_node, n, np.arange(n) // per_node)
-    recv = remote * kv_token / max(prof.intra_bw, prof.inter_bw)
-    send = dkv_token * (far / prof.inter_bw + (remote - far) / prof.intra_bw)
+    fastest = max(prof.intra_bw, prof.inter_bw)
+    recv = remote * kv_token / fastest
+    send = remote * dkv_token / fastest  # a node reduce's aggregator may be on this node: no link is sure
     if tiled.nodes == 1:
-        return recv, send, 0.0
+        return recv, send, 0.0, 0.0
     inter = _remote_keys(owner // per_node, rows[:, K0], rows[:, K1], starts, lens, dev // per_node, tiled.nodes)
-    return recv, send, float((inter * kv_token / prof.inter_bw).max() / per_node)
+    crossing = inter.max() / (prof.inter_bw * per_node)
+    return recv, send, float(crossing * kv_token), float(crossing * dkv_token)
 
 
 def _remote_keys(owner: np.ndarray, a: np.ndarray, b: np.ndarray, starts: np.ndarray, lens: np.ndarray,
