@@ -29,6 +29,7 @@ class Pass:
     default_comm: ClassVar[str] = "p2p"    # a strategy's communication mode in the default pipeline
     variants: ClassVar[tuple[str, ...]] = ()  # a strategy's other options that auto and plan bench also try
     default_run: ClassVar[float] = DEFAULT_RUN  # a strategy's overlap{run=...} in the default pipeline
+    tree: ClassVar[bool] = False  # auto also tries it with comm{relay=tree} on several nodes (NAME:tree; tools/auto.py)
 
     def apply(self, ir: PlanIR) -> PlanIR:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -249,10 +249,11 @@ def tree_rows(rows: np.ndarray, per_node: int) -> np.ndarray:
         return rows
     # member groups: (entry stage, node); each group's members by device, their positions
     n = (int(r[:, 3:5].max()) // per_node + 1) * per_node
-    keys, group = np.unique(np.column_stack([r[:, 5], r[:, 3] // per_node]), axis=0, return_inverse=True)
+    nodes = n // per_node
+    keys, group = np.unique(r[:, 5] * nodes + r[:, 3] // per_node, return_inverse=True)
     group = group.ravel()
     members = np.unique(np.r_[group, group] * n + np.r_[r[:, 3], r[:, 4]])
-    members = _padded(members, keys[:, 1], n, per_node)
+    members = _padded(members, keys % nodes, n, per_node)
     start = np.searchsorted(members, np.arange(len(keys)) * n)
     size = np.diff(np.r_[start, len(members)])[group]
     first = start[group]
@@ -266,8 +267,17 @@ def tree_rows(rows: np.ndarray, per_node: int) -> np.ndarray:
         dev = members[first[go] + [holder[go], at[go]]] % n
         hops.append(np.column_stack([r[go, :3], dev.T, r[go, 5] + bit]))
         holder = np.where(go, at, holder)
-    out = np.concatenate([rows[~inside], np.unique(np.concatenate(hops), axis=0)])  # routes share first hops
+    out = np.concatenate([rows[~inside], _distinct(np.concatenate(hops))])  # routes share their first hops
     return out[np.lexsort((out[:, 4], out[:, 3], out[:, 5]))].astype(np.int64)
+
+
+def _distinct(rows: np.ndarray) -> np.ndarray:
+    """The distinct rows of non-negative int64 ``rows``, in an order of their
+    mixed-radix keys (one 1-D unique, not a sort of rows)."""
+    key = np.zeros(len(rows), np.int64)
+    for c in range(rows.shape[1]):
+        key = key * (int(rows[:, c].max(initial=0)) + 1) + rows[:, c]
+    return rows[np.unique(key, return_index=True)[1]]
 
 
 def _padded(members: np.ndarray, node: np.ndarray, n: int, per_node: int) -> np.ndarray:

@@ -264,6 +264,7 @@ class Dacp(Pass):
     name = "dacp"
     needs = ("graph",)
     strategy = True
+    tree = True  # each document's devices gather its KV: the in-node tree pays (tools/auto.py comm_variants)
     bucket: int = 0     # C, tokens per device; 0 = max(ceil(slack * T / N), all-distributed need)
     slack: float = 0.0  # automatic bucket: allowed tokens per device over the even share T / N; 0: default_slack
     varlen: int = -1    # tokens per varlen group (per_doc's option): -1 no cap, 0 no groups

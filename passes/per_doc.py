@@ -67,6 +67,7 @@ class PerDoc(Pass):
     name = "per_doc"
     needs = ("graph",)
     strategy = True
+    tree = True  # each document's devices gather its KV: the in-node tree pays (tools/auto.py comm_variants)
     varlen: int = -1  # tokens per varlen group of chunks: -1 no cap (a group per column), 0 no groups
 
     def __post_init__(self):

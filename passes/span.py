@@ -225,6 +225,7 @@ class Span(Pass):
     needs = ("graph",)
     strategy = True
     variants = ("grain=1", "grain=2", "grain=4")  # auto and plan bench also try these (module doc)
+    tree = True  # a document over whole nodes gathers its KV inside each node (comm.tree_rows)
     grain: float = 1.5   # a document's piece of work on a device at most grain x the even share W / N
     min_chunk: int = 128  # tokens: no zigzag chunk shorter (the kernel's query tile)
     align: int = 128     # tokens: zigzag cuts at multiples of it where that tiles better (zigzag_bounds); 0: never

@@ -68,6 +68,7 @@ class Usp(Pass):
     default_run = 0.0  # a kernel run per partner: its partners' data arrive far apart (comm.Overlap)
     needs = ("graph",)
     strategy = True
+    tree = True  # each document's devices gather its KV: the in-node tree pays (tools/auto.py comm_variants)
     ulysses: int = 0  # Ulysses degree U (devices per group); 0: the most of one node dividing kv_heads and N
 
     def degree(self, ir: PlanIR) -> tuple[int, int]:

@@ -215,11 +215,12 @@ def estimate(ir: PlanIR, prof, comm_mode: str = "p2p", relay: str | None = None,
     return estimates(ir, prof, comm_mode, [(relay, reduce)])[0]
 
 
-def estimates(ir: PlanIR, prof, comm_mode: str, routes: list) -> list[Estimate]:
+def estimates(ir: PlanIR, prof, comm_mode: str, routes: list, spread: bool = True) -> list[Estimate]:
     """:func:`estimate` for each ``(relay, reduce)`` of ``routes``, sharing
     what they share (compute, the needed transfers, each relay's and each
     reduce's routes): auto bounds a placement's default and its other
-    schedules (:func:`comm_variants`) at once."""
+    schedules (:func:`comm_variants`) at once. ``spread``: fill
+    ``Estimate.spread`` (it routes the tree; 0 without)."""
     g, pl = ir.need_graph(), ir.need_placement()
     n, per_node = pl.devices, pl.devices_per_node
     rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
@@ -242,7 +243,7 @@ def estimates(ir: PlanIR, prof, comm_mode: str, routes: list) -> list[Estimate]:
         if on not in partials:
             partials[on] = (_partial_routes(need[X_O], pl, on), _partial_routes(need[X_KV][:, [0, 1, 3, 2]], pl, on))
         est = _estimate(g, pl.home, n, per_node, prof, compute, comm_mode, routed(relay), partials[on])
-        if comm_mode == "p2p" and relay == "node" and pl.nodes > 1:  # whether the tree is another plan
+        if spread and comm_mode == "p2p" and relay == "node" and pl.nodes > 1:  # whether the tree is another plan
             est = replace(est, spread=_forwarded(routed("tree"), pl.home) - est.relayed)
         out.append(est)
     return out
@@ -368,8 +369,9 @@ def place(name: str, tiled: PlanIR, strategy_pass, kwargs: dict, prof) -> Placed
         ir = _run(tiled, [strategy_pass], kwargs)
         mode = REGISTRY[strategy_name(name)].default_comm
         several = mode == "p2p" and ir.need_placement().nodes > 1
-        est, *rest = estimates(ir, prof, mode, [(None, None)] + ([(None, "none"), ("none", "none"), ("tree", None)]
-                                                                 if several else []))
+        tree = several and REGISTRY[strategy_name(name)].tree
+        est, *rest = estimates(ir, prof, mode, [(None, None)] + ([(None, "none"), ("none", "none")] if several else [])
+                               + ([("tree", None)] if tree else []), spread=tree)
     except PlanError as e:
         return Placed(name, error=_reason(e), seconds=time.perf_counter() - t0)
     by = dict(zip(("relay", "direct", "tree"), rest))
@@ -436,10 +438,17 @@ def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
     blocks' compute waits for a second stage), unless neither does anything;
     and with the in-node tree (``name:tree``: node relays, then recursive
     doubling inside each node, :func:`attnplan.passes.comm.tree_rows`) where
-    it forwards more than the relays (``Estimate.spread``): it wins where one
-    document spans whole nodes (lmsys-128k-0 at 32 devices: 3.12 -> 2.52 of
-    the bound) and loses where documents span a few devices (its blocks
-    reach the last members a stage or two later).
+    it forwards more than the relays (``Estimate.spread``) and the strategy
+    gives each document a set of devices that gather its KV (``tree``: span,
+    per_doc, dacp, usp). It wins where one document spans whole nodes
+    (lmsys-128k-0 at 32 devices: 3.12 -> 2.52 of the bound) and loses where
+    documents span a few devices (its blocks reach the last members a stage
+    or two later). Over the 28 shared batches at 32 devices (auto_bench's
+    exhaustive runs) the tree made per_doc and dacp faster on every batch
+    (median 1.11x and 1.10x) and usp on 17 of 26, but hypergraph, minheap and
+    tile_pool, whose devices gather from scattered tiles, slower (median
+    0.95x, 0.95x, 0.91x; never the best plan): they do not try it, which
+    keeps auto within 2x of its slowest strategy.
     ``divide`` and turning ``overlap`` off are not tried: on the 128K
     batches at 8 devices neither ever predicted a faster plan."""
     return [(p.name, None, p.total_s)] + [(f"{p.name}:{v}", comm, e.total_s) for v, comm, e in p.others]
@@ -455,7 +464,7 @@ def comm_variants(name: str, est: Estimate) -> list[tuple[str, str]]:
     out = [("relay", COMM_VARIANTS["relay"])] if est.gathered > 0 and est.relayed > 0 else []
     if est.gathered > 0 or est.relayed > 0:
         out.append(("direct", "mode=p2p"))
-    if est.spread > 0:
+    if est.spread > 0 and REGISTRY[strategy_name(name)].tree:
         out.append(("tree", COMM_VARIANTS["tree"]))
     return out
 
