@@ -32,7 +32,7 @@ from ..passes import parse_pipeline, run_pipeline, strategies
 from ..passes.default import default_pipeline
 from .ir import StepPlan, StepProblem
 from .mesh import Mesh
-from .model import Model, load_model
+from .model import Model, activation_bytes, load_model, static_bytes
 
 
 def pipeline_text(strategy: str, block_size: int) -> str:
@@ -168,17 +168,23 @@ class AttentionCache:
         return best
 
 
-    def auto(self, lens, devices, nodes, heads, prefix: int = 0) -> Lowered:
+    def auto(self, lens, devices, nodes, heads, prefix: int = 0, fits=None) -> Lowered:
         """Every registered strategy that can take the micro-batch, lowered best bound first until the next
-        bound cannot beat the best predicted time (the step layer's ``compile(strategy="auto")``)."""
+        bound cannot beat the best predicted time (the step layer's ``compile(strategy="auto")``). ``fits``
+        (a predicate on a :class:`Lowered`): the fastest plan it accepts — the next fastest strategy where it
+        refuses one; the last one tried where it refuses every strategy."""
         bounds = {}
         for s in strategies():
             try:
                 bounds[s] = self.bound(lens, devices, nodes, s, heads, prefix)
             except PlanError:
                 continue
-        order = sorted(bounds, key=lambda s: (bounds[s], s))
-        return self.best(lens, devices, nodes, order or list(strategies()), heads, bounds, prefix)
+        order = sorted(bounds, key=lambda s: (bounds[s], s)) or list(strategies())
+        while True:
+            low = self.best(lens, devices, nodes, order, heads, bounds, prefix)
+            if fits is None or len(order) == 1 or fits(low):
+                return low
+            order = [s for s in order if s != low.strategy]
 
 
 def choose_strategy(problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarray, option: str,
@@ -358,13 +364,31 @@ def lower_step(plan: StepPlan) -> list[Lowered]:
     return out
 
 
+def fits_alone(problem: StepProblem):
+    """A predicate on a micro-batch's :class:`Lowered` plan: every device of its group under the memory
+    cap holding that micro-batch's activations (its plan's tokens and buffers), the model states and the
+    reserve — what the step's peak is at least (:func:`attnplan.step.simulate.memory`). The fallback of a
+    system whose group asked for ``ulysses`` (even tokens) takes a strategy that fits: the fastest
+    strategy may hold more tokens on one device (flexsp on a 1Mi-token batch with a 429K document, one
+    micro-batch on 32 devices: dacp, the fastest, needs 80.7 GiB on device 6; hypergraph, 1% slower, fits)."""
+    base = static_bytes(problem.model, problem.mesh.stage_devices) + problem.mesh.reserve
+
+    def fits(low: Lowered) -> bool:
+        act = activation_bytes(problem.model, low.tokens, problem.mesh.recompute, low.buffers)
+        return bool((np.asarray(act, np.int64) + base <= problem.cap).all())
+    return fits
+
+
 def lower_or_fall_back(plan: StepPlan) -> tuple[StepPlan, list[Lowered]]:
     """Every micro-batch lowered, as :func:`lower_step`; but a micro-batch whose strategy the attention level
     cannot lower on its group (a compute-block limit, heads its devices cannot split, ...) takes the best
-    strategy that can (:meth:`AttentionCache.auto`), and the returned plan says so: its ``mb_strategy``
-    names what runs and its ``info`` has a ``fallback`` entry. A PlanError only when no strategy can."""
+    strategy that can (:meth:`AttentionCache.auto`) whose plan leaves its devices under the memory cap with
+    that micro-batch alone (:func:`fits_alone`; without pipeline stages or chunks carrying KV, where the
+    peak is that sum), and the returned plan says so: its ``mb_strategy`` names what runs and its ``info``
+    has a ``fallback`` entry. A PlanError only when no strategy can."""
     p = plan.problem
     out, strategies, notes = [], list(plan.mb_strategy), []
+    staged, fits = p.mesh.pp > 1 or plan.chunk_keep >= 1, fits_alone(p)
     for m in range(plan.n_mb):
         ranks = plan.mb_ranks(m)
         try:
@@ -374,7 +398,7 @@ def lower_or_fall_back(plan: StepPlan) -> tuple[StepPlan, list[Lowered]]:
             first = str(e).splitlines()[0]
         try:
             low = cache_of(p).auto(plan.mb_seqlens(m), len(ranks), group_nodes(p.mesh, ranks), heads_of(p),
-                                   plan.mb_prefix(m))
+                                   plan.mb_prefix(m), fits=None if staged else fits)
         except PlanError:
             raise PlanError(f"micro-batch {m} ({plan.mb_strategy[m]} on {len(ranks)} devices): {first}") from None
         why = first.split(": use ")[0].split("; ")[0]

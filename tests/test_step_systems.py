@@ -4,6 +4,7 @@ micro-batches' attention plans equals dense attention per document; each
 system's own rules (fixed's packing, WLB-LLM's greedy and outlier queue, the
 pool); the registry; ``plan step compare``."""
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -303,6 +304,36 @@ def test_a_strategy_its_group_cannot_lower_gives_way_and_the_table_says_so():
         unregister_system("_ulysses3")
     text = format_rows(rows, p.mesh)
     assert "_ulysses3*" in text and "* _ulysses3: micro-batch 0: ulysses cannot run" in text
+
+
+def test_the_fallback_takes_the_fastest_plan_that_fits_the_memory_cap():
+    """``AttentionCache.auto(fits=...)``: where the fastest plan is refused, the next fastest that the
+    predicate accepts (never a faster one); where every one is refused, the last one tried. And
+    ``fits_alone`` refuses a plan exactly when one device of its group, with that micro-batch alone, is
+    over the cap: with the cap just below the fastest plan's busiest device, the fallback of a group
+    that cannot run ``ulysses`` takes another strategy, whose devices all fit."""
+    from attnplan.step.lower import cache_of, fits_alone, heads_of, lower_or_fall_back
+    from attnplan.step.model import activation_bytes, static_bytes
+    p = problem([40, 30, 9, 70], 1, 3, 3)
+    cache, lens = cache_of(p), (40, 30, 9, 70)
+    best = cache.auto(lens, 3, 1, heads_of(p))
+    other = cache.auto(lens, 3, 1, heads_of(p), fits=lambda low: low.strategy != best.strategy)
+    assert other.strategy != best.strategy and other.predicted_s >= best.predicted_s
+    assert cache.auto(lens, 3, 1, heads_of(p), fits=lambda low: False) is not None
+
+    def need(low):  # the busiest device's bytes with this micro-batch alone
+        act = activation_bytes(p.model, low.tokens, p.mesh.recompute, low.buffers)
+        return int(max(act)) + static_bytes(p.model, p.mesh.stage_devices) + p.mesh.reserve
+    plan = _Ulysses3().apply(p)
+    first = lower_or_fall_back(plan)[1][0]  # the fastest that can run
+    tight = dataclasses.replace(p, mesh=dataclasses.replace(p.mesh, memory_cap=need(first) - 1))
+    assert not fits_alone(tight)(first) and fits_alone(p)(first)
+    fitting = [low for low in (cache_of(tight).get(lens, 3, 1, s, heads_of(p)) for s in ("per_doc", "minheap", "zigzag"))
+               if need(low) <= tight.cap]
+    assert fitting  # some strategy holds fewer bytes on its busiest device: the fallback takes one of those
+    plan2, lowered = lower_or_fall_back(_Ulysses3().apply(tight))
+    assert lowered[0].strategy != first.strategy and need(lowered[0]) <= tight.cap
+    assert f"{lowered[0].strategy} instead" in plan2.info_dict()["fallback"]
 
 
 def test_a_group_too_small_for_a_document_names_a_way_forward():
