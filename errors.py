@@ -3,6 +3,8 @@ stderr and exit code 2; the API raises them as they are."""
 
 from __future__ import annotations
 
+import unicodedata
+
 
 def _rebuild(cls: type[AttnplanError], args: tuple, fields: dict) -> AttnplanError:
     """Unpickle an error without calling ``__init__`` (subclasses take other
@@ -46,7 +48,15 @@ class MaskError(AttnplanError):
         lines = self.text.splitlines() if self.text else []
         src = lines[self.line - 1] if self.line <= len(lines) else ""
         src, at = _window(src, max(0, self.col - 1))
-        return f"{self.filename}:{self.line}:{self.col}: {self.message}\n  {src}\n  {' ' * at}^"
+        return f"{self.filename}:{self.line}:{self.col}: {self.message}\n  {src}\n  {_pad(src[:at])}^"
+
+
+def _pad(prefix: str) -> str:
+    """Blank space as wide on a terminal as ``prefix``, so a caret after it stands under the next
+    character: its tabs kept (the same tab stops), two spaces for a wide or fullwidth character (CJK),
+    none for a combining mark, one for anything else."""
+    return "".join("\t" if c == "\t" else "" if unicodedata.combining(c) else
+                   "  " if unicodedata.east_asian_width(c) in ("W", "F") else " " for c in prefix)
 
 
 _WINDOW = 100  # characters of a long source line shown on each side of the caret

@@ -664,3 +664,22 @@ def test_parameter_depending_on_L_is_checked_when_lowering():
 ])
 def test_other_static_errors(text, msg):
     assert msg in error(text).message
+
+
+def test_the_caret_stands_under_the_token_after_tabs_and_wide_characters():
+    """The caret line repeats the source line's tabs (same tab stops) and counts a wide character as two
+    columns and a combining mark as none, so on a terminal the caret is under the offending token."""
+    import unicodedata
+
+    from attnplan.errors import _pad
+    e = error("\tcausal causal")
+    src, caret = str(e).splitlines()[1:]
+    assert caret.index("^") == src.index("causal", 4) and caret[:3] == "  \t" and caret.count("\t") == 1
+
+    def width(s):
+        return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 0 if unicodedata.combining(c) else 1
+                   for c in s)
+    for prefix in ("q < 文字 ", "e\u0301 = ", "\t\tab", ""):
+        pad = _pad(prefix)
+        assert pad.strip() == "" and pad.count("\t") == prefix.count("\t")
+        assert width(pad.replace("\t", "")) == width(prefix.replace("\t", ""))
