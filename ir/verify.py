@@ -46,6 +46,7 @@ device, with the IR around it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -335,16 +336,32 @@ def verify_placement(g: BlockGraph, pl: Placement) -> None:
 NEED_TB, NEED_HG, NEED_SRC, NEED_DST = range(4)
 
 
+_NEEDED: OrderedDict = OrderedDict()  # (id(graph), id(placement)) -> (graph, placement, transfers), newest last
+_NEEDED_KEEP = 8  # placements remembered: auto's candidates of one placement ask for them many times
+
+
 def needed_transfers(g: BlockGraph, pl: Placement) -> dict[int, np.ndarray]:
     """The forward transfers a placement needs, as unique rows ``(tb, hg, src, dst)`` per kind
-    (columns ``NEED_TB``, ``NEED_HG``, ``NEED_SRC``, ``NEED_DST``), sorted."""
+    (columns ``NEED_TB``, ``NEED_HG``, ``NEED_SRC``, ``NEED_DST``), sorted, read-only. Remembered for
+    the last few (graph, placement) pairs — both immutable, held while remembered so their ids stay
+    theirs: ``auto`` asks for the same placement's transfers from its estimates, each candidate's comm
+    pass, its schedule bound and emit (about 10 times a placement)."""
+    key = (id(g), id(pl))
+    hit = _NEEDED.get(key)
+    if hit is not None and hit[0] is g and hit[1] is pl:
+        _NEEDED.move_to_end(key)
+        return dict(hit[2])
     home, dev = pl.home, pl.cb_device
     out = {}
     for kind, tb, toward_home in ((X_Q, g.cb_q, False), (X_KV, g.cb_k, False), (X_O, g.cb_q, True)):
         need = np.flatnonzero(home[tb] != dev)
         src, dst = (dev[need], home[tb[need]]) if toward_home else (home[tb[need]], dev[need])
         out[kind] = _unique_rows(tb[need], g.cb_hg[need], src, dst, g.n_tb, g.n_hg, pl.devices)
-    return out
+        out[kind].setflags(write=False)
+    _NEEDED[key] = (g, pl, out)
+    while len(_NEEDED) > _NEEDED_KEEP:
+        _NEEDED.popitem(last=False)
+    return dict(out)
 
 
 def _unique_rows(tb, hg, src, dst, n_tb: int, n_hg: int, n: int) -> np.ndarray:

@@ -266,3 +266,24 @@ def test_ring_schedule_without_forwarding_source(ring):
     bad = dataclasses.replace(s, xfer=x)
     with pytest.raises(VerifyError, match=r"invariant 3: d\d+ forwards KV\[tb\d+,hg\d+\] in stage 1 without holding it"):
         verify(ring.ir.replace(schedule=bad, program=None))
+
+
+def test_needed_transfers_are_remembered_read_only_and_per_placement():
+    """``needed_transfers`` remembers the last placements (auto asks for each about ten times): the same
+    rows again, read-only (a caller cannot change what the next one gets); another placement of the same
+    graph gets its own rows, equal to a fresh computation after the remembered ones were pushed out."""
+    from attnplan.ir import verify as V
+    from attnplan.ir.placement import Placement
+    plan = attnplan.compile(seqlens=[300, 200], devices=4, heads=4, kv_heads=2, head_dim=8, block_size=32,
+                            strategy="minheap")
+    g, pl = plan.ir.graph, plan.ir.placement
+    first = V.needed_transfers(g, pl)
+    again = V.needed_transfers(g, pl)
+    assert all(np.array_equal(first[k], again[k]) and not again[k].flags.writeable for k in first)
+    moved = Placement(pl.devices, pl.nodes, (pl.home + 1) % pl.devices, pl.cb_device.copy())
+    other = V.needed_transfers(g, moved)
+    assert any(not np.array_equal(other[k], first[k]) for k in first)
+    for shift in range(2, 2 + V._NEEDED_KEEP + 1):  # push the first placement out of the memory
+        V.needed_transfers(g, Placement(pl.devices, pl.nodes, (pl.home + shift) % pl.devices, pl.cb_device.copy()))
+    fresh = V.needed_transfers(g, pl)
+    assert all(np.array_equal(fresh[k], first[k]) for k in first)
