@@ -209,6 +209,8 @@ def problem(pb) -> Problem:
     _pieces_in_range(pieces, int(lens.sum()), "problem.pieces")
     kw = dict(mask=string(pb, "mask", "problem"), segments=_segments(pb, lens), dtype=dtype,
               **{f: array(pb, f, "problem", max_len=n) for f, n in _OPTIONAL.items() if f in pb})
+    if "partials_dtype" in pb:  # absent: float32
+        kw["partials_dtype"] = string(pb, "partials_dtype", "problem", 32)
     try:  # Problem checks what the optional arrays mean (cross-attention, per-head masks)
         return Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=Pieces(pieces), **kw)
     except (PlanError, BatchError) as e:

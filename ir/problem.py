@@ -86,7 +86,16 @@ class Problem:
     Per-head masks (``head_class`` set): query head ``h`` sees the mask of
     class ``head_class[h]`` — the pieces ``pieces[class_ptr[c]:class_ptr[c+1]]``
     (disjoint within a class). Classes are numbered by their first head;
-    there are at least two (one class is written as None)."""
+    there are at least two (one class is written as None).
+
+    ``partials_dtype``: the dtype partial outputs (forward O, backward dQ
+    and dKV) travel in between devices. Every device accumulates its
+    partials in float32 and every home sums what it receives in float32;
+    ``"float32"`` (the default) also sends them so, the problem's ``dtype``
+    sends each partial rounded to it — half the bytes of the backward's
+    partial dK/dV, one rounding per partial sent (MagiAttention's default,
+    its ``MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE`` off). The lse of a
+    partial O stays float32."""
 
     seqlens: np.ndarray
     heads: int
@@ -99,6 +108,7 @@ class Problem:
     q_lens: np.ndarray | None = None
     head_class: np.ndarray | None = None
     class_ptr: np.ndarray | None = None
+    partials_dtype: str = "float32"
 
     def __post_init__(self):
         object.__setattr__(self, "seqlens", _check_seqlens(self.seqlens))
@@ -115,6 +125,9 @@ class Problem:
             raise PlanError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.dtype not in DTYPE_BYTES:
             raise PlanError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.partials_dtype not in ("float32", self.dtype):
+            raise PlanError(f"partials_dtype must be float32 or the problem's dtype ({self.dtype}), got "
+                            f"{self.partials_dtype!r}")
         if not isinstance(self.pieces, Pieces):
             raise PlanError(f"pieces must be mask Pieces, got {type(self.pieces).__name__}")
         if len(self.pieces) > MAX_MASK_PIECES:
@@ -162,6 +175,11 @@ class Problem:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes of one element of a partial output on the wire (``partials_dtype``)."""
+        return DTYPE_BYTES[self.partials_dtype]
 
     @property
     def n_classes(self) -> int:

@@ -154,25 +154,28 @@ def _isa_doc() -> str:
 __doc__ = (__doc__ or "") + _isa_doc()
 
 
-def buffer_bytes(g, phase: int, kind: int, tb, hg) -> np.ndarray:
+def buffer_bytes(g, phase: int, kind: int, tb, hg, wire: bool = False) -> np.ndarray:
     """Bytes of buffers of ``kind`` for token blocks ``tb`` and head groups ``hg`` of the
     BlockGraph ``g``: Q/KV in the problem dtype, O/dQ/dKV and lse in fp32; the
-    backward Q bundle is (q, out, dout, lse)."""
+    backward Q bundle is (q, out, dout, lse). ``wire``: as a transfer and its
+    receive buffer carry it — a partial output's out, dQ or dK/dV in the
+    problem's ``partials_dtype`` (its lse in fp32), the rest as stored."""
     p = g.problem
     rows = g.tb_len[tb]
     hkv = g.hg_end[hg] - g.hg_start[hg]  # (virtual) kv heads: copies travel and are stored as such
     hq = hkv * g.group
     d, es = p.head_dim, p.dtype_bytes
+    ps = p.partial_bytes if wire else 4
     if kind == B_Q:
         per = hq * d * es if phase == FWD else hq * (3 * d * es + 4)
     elif kind == B_KV:
         per = 2 * hkv * d * es
     elif kind == B_O:
-        per = hq * (4 * d + 4)
+        per = hq * (ps * d + 4)
     elif kind == B_DQ:
-        per = hq * d * 4
+        per = hq * d * ps
     else:
-        per = 2 * hkv * d * 4
+        per = 2 * hkv * d * ps
     return (rows * per).astype(np.int64)
 
 

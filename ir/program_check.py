@@ -265,7 +265,7 @@ def check_transfers(g, prog: Program, XT: np.ndarray) -> None:
     for p in (FWD, BWD):
         for k in PHASE_KINDS[p]:
             sel = np.flatnonzero((ph == p) & (kind == k))
-            want[sel] = buffer_bytes(g, p, k, tb[sel], hg[sel])
+            want[sel] = buffer_bytes(g, p, k, tb[sel], hg[sel], wire=True)
     bad = first(want != nbytes)
     if bad is not None:
         fail(5, f"{transfer_key(prog, bad)} carries {nbytes[bad]} bytes; the block has {want[bad]}")
@@ -332,8 +332,9 @@ def check_buffers(g, pl, f: PhaseView, memory_cap: int | None) -> None:
                 f"names another device, other buffers -1")
     want = np.zeros(len(f.B), np.int64)
     for kind in PHASE_KINDS[f.phase]:
-        sel = np.flatnonzero(f.bk == kind)
-        want[sel] = buffer_bytes(g, f.phase, kind, f.btb[sel], f.bhg[sel])
+        for wire in (False, True):  # a receive buffer holds what travels
+            sel = np.flatnonzero((f.bk == kind) & (recv == wire))
+            want[sel] = buffer_bytes(g, f.phase, kind, f.btb[sel], f.bhg[sel], wire=wire)
     bad = first(want != f.bbytes)
     if bad is not None:
         fail(5, f"device {d[bad]} {f.name}: buffer %{f.local(bad)} has {f.bbytes[bad]} bytes (expected {want[bad]})")

@@ -186,7 +186,7 @@ def transfer_table(ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
             template = np.zeros(T_COLS, _I64)
             template[T_PHASE], template[T_KIND] = phase, k
             R[at:at + len(r)] = template  # whole rows: phase, kind, and sbuf/rbuf 0 until the phases fill them
-            R[at:at + len(r), T_BYTES] = buffer_bytes(g, phase, k, r[:, XTB], r[:, XHG])
+            R[at:at + len(r), T_BYTES] = buffer_bytes(g, phase, k, r[:, XTB], r[:, XHG], wire=True)
             at += len(r)
         R[:, T_TB:T_DST + 1] = xs[:, XTB:XDST + 1]  # the schedule's (tb, hg, src, dst): the table's too
         src, dst, stage = xs[:, XSRC], xs[:, XDST], xs[:, XSTAGE].copy()

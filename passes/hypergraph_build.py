@@ -87,8 +87,9 @@ def side_bytes(g: BlockGraph) -> tuple[np.ndarray, np.ndarray]:
     communication, forward + backward: (Q side, KV side), each ``[n_tb, n_hg]``."""
     tb = np.repeat(np.arange(g.n_tb), g.n_hg)
     hg = np.tile(np.arange(g.n_hg), g.n_tb)
-    q = np.sum([buffer_bytes(g, ph, k, tb, hg) for ph, k in ((FWD, B_Q), (FWD, B_O), (BWD, B_Q), (BWD, B_DQ))], 0)
-    kv = np.sum([buffer_bytes(g, ph, k, tb, hg) for ph, k in ((FWD, B_KV), (BWD, B_KV), (BWD, B_DKV))], 0)
+    q_side, kv_side = ((FWD, B_Q), (FWD, B_O), (BWD, B_Q), (BWD, B_DQ)), ((FWD, B_KV), (BWD, B_KV), (BWD, B_DKV))
+    q = np.sum([buffer_bytes(g, ph, k, tb, hg, wire=True) for ph, k in q_side], 0)  # partials as they travel
+    kv = np.sum([buffer_bytes(g, ph, k, tb, hg, wire=True) for ph, k in kv_side], 0)
     return q.reshape(g.n_tb, g.n_hg), kv.reshape(g.n_tb, g.n_hg)
 
 

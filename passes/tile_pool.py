@@ -110,7 +110,7 @@ class _PoolState:
         hg = g.n_hg
         keys = np.arange(g.n_tb * hg)
         ktb, khg = keys // hg, keys % hg
-        qbytes = (buffer_bytes(g, FWD, B_Q, ktb, khg) + buffer_bytes(g, FWD, B_O, ktb, khg)).astype(float)
+        qbytes = (buffer_bytes(g, FWD, B_Q, ktb, khg) + buffer_bytes(g, FWD, B_O, ktb, khg, wire=True)).astype(float)
         kvbytes = buffer_bytes(g, FWD, B_KV, ktb, khg).astype(float)
         if not locality:
             qbytes[:] = 0.0

@@ -38,8 +38,8 @@ import torch
 
 from ..errors import PlanError, ShapeError
 from ..ir.program import (A1, ADD, ARG_BUF, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BHG, BK, BROLE, BTB, FWD,
-                          HOME, ISA, KINDS, M_DST, M_END, M_PHASE, M_SRC, M_START, MERGE, OP, OPS, PHASES, RECV, SEND,
-                          T_RBUF, T_SBUF, WAIT)
+                          HOME, ISA, KINDS, M_DST, M_END, M_PHASE, M_SRC, M_START, MERGE, OP, OPS, PHASES, RECV, RECVD,
+                          SEND, T_RBUF, T_SBUF, WAIT)
 from . import kernels, varlen
 
 NEG_INF = float("-inf")
@@ -81,16 +81,18 @@ class Timings:
                 "bytes_sent": self.bytes_sent, "bytes_recv": self.bytes_recv, "phases": dict(self.phases)}
 
 
-def buffer_shapes(graph, phase: int, kind: int, tb: int, hg: int, dtype: torch.dtype):
+def buffer_shapes(graph, phase: int, kind: int, tb: int, hg: int, dtype: torch.dtype, wire: bool = False):
     """Shapes and dtypes of the tensors a buffer holds (``buffer_bytes`` of
     :mod:`attnplan.ir.program` counts the same): forward Q = q; KV = k, v;
     O = out, lse (accumulator dtype); backward Q bundle = q, out, dout, lse;
-    dQ = dq; dKV = dk, dv (accumulator dtype)."""
+    dQ = dq; dKV = dk, dv (accumulator dtype). ``wire``: a partial output as
+    it travels and is received — out, dq, dk, dv in :func:`wire_dtype`."""
     p = graph.problem
     rows = int(graph.tb_len[tb])
     hkv = int(graph.hg_end[hg] - graph.hg_start[hg])
     hq, d = hkv * graph.group, p.head_dim
     acc = acc_dtype(dtype)
+    part = wire_dtype(p, dtype) if wire else acc
     if kind == B_Q:
         if phase == FWD:
             return (((rows, hq, d), dtype),)
@@ -98,12 +100,26 @@ def buffer_shapes(graph, phase: int, kind: int, tb: int, hg: int, dtype: torch.d
     if kind == B_KV:
         return (((rows, hkv, d), dtype),) * 2
     if kind == B_O:
-        return (((rows, hq, d), acc), ((rows, hq), acc))
+        return (((rows, hq, d), part), ((rows, hq), acc))
     if kind == B_DQ:
-        return (((rows, hq, d), acc),)
+        return (((rows, hq, d), part),)
     if kind == B_DKV:
-        return (((rows, hkv, d), acc),) * 2
+        return (((rows, hkv, d), part),) * 2
     raise PlanError(f"unknown buffer kind {kind}")
+
+
+def wire_dtype(problem, dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial outputs travel in: the accumulator's, or the
+    inputs' where the problem sends partials in its own dtype
+    (``Problem.partials_dtype``)."""
+    return acc_dtype(dtype) if problem.partials_dtype == "float32" else dtype
+
+
+def to_wire(kind: int, tensors: tuple, wire: torch.dtype) -> tuple:
+    """A partial output's tensors as they travel: out (not its lse), dq, dk, dv in ``wire``."""
+    if kind == B_O:
+        return (tensors[0].to(wire),) + tuple(tensors[1:])
+    return tuple(x.to(wire) for x in tensors)
 
 
 _ALIGN = 16  # bytes: every tensor of a packed buffer starts at a multiple of this
@@ -288,6 +304,7 @@ class DeviceRunner:
         self.st = dict(home)
         self.home = {int(b) for b in np.flatnonzero(self.bufs[:, BROLE] == HOME)}
         self.transport, self.scale, self.dtype = transport, scale, dtype
+        self.wire = wire_dtype(graph.problem, dtype)
         self.compute = compute
         self.timings = timings if timings is not None else Timings()
         self.msg_bufs = _message_buffers(program, phase, device, code)
@@ -312,8 +329,8 @@ class DeviceRunner:
     # buffers -----------------------------------------------------------------
     def specs(self, b: int) -> tuple:
         """``(shape, dtype)`` of each tensor of buffer ``b``."""
-        kind, tb, hg = (int(x) for x in self.bufs[b][[BK, BTB, BHG]])
-        return buffer_shapes(self.g, self.phase, kind, tb, hg, self.dtype)
+        kind, tb, hg, role = (int(x) for x in self.bufs[b][[BK, BTB, BHG, BROLE]])
+        return buffer_shapes(self.g, self.phase, kind, tb, hg, self.dtype, wire=role == RECVD)
 
     def alloc(self, b: int, zero: bool = False):
         """Buffer ``b``'s tensors, views into one flat allocation."""
@@ -365,7 +382,7 @@ class DeviceRunner:
             tm.bytes_recv += flat.numel()
             tm.post += time.perf_counter() - t0
         elif op == SEND:
-            tensors = tuple(x for b in self.msg_bufs[(SEND, row[1])] for x in self._get(b, i))
+            tensors = tuple(x for b in self.msg_bufs[(SEND, row[1])] for x in self._sent(b, i))
             self.transport.post_send(row[1], row[2], tensors, None)
             tm.bytes_sent += sum(x.numel() * x.element_size() for x in tensors)
             tm.post += time.perf_counter() - t0
@@ -392,12 +409,20 @@ class DeviceRunner:
         op = self.code[i][0]
         return f"{PHASES[self.phase]} device {self.device} instruction {i} ({OPS[op] if 0 <= op < len(OPS) else op})"
 
+    def _sent(self, b: int, i: int) -> tuple:
+        """Buffer ``b``'s tensors as a message carries them (a partial in its wire dtype)."""
+        ts = self._get(b, i)
+        kind = int(self.bufs[b, BK])
+        return ts if kind in (B_Q, B_KV) else to_wire(kind, ts, self.wire)
+
     def _combine(self, i: int, op: int, dst: int, src: int) -> None:
-        """``merge``/``add`` buffer ``src`` into ``dst`` (a copy if ``dst`` holds nothing yet)."""
+        """``merge``/``add`` buffer ``src`` into ``dst`` (a copy in ``dst``'s
+        dtypes if ``dst`` holds nothing yet: a received partial's wire dtype
+        never becomes an accumulator's)."""
         st = self.st
         s = self._get(src, i)
         if dst not in st:
-            st[dst] = tuple(x.clone() for x in s)
+            st[dst] = tuple(x.to(dt, copy=True) for x, (_, dt) in zip(s, self.specs(dst)))
             return
         if op == MERGE:
             _same_shapes(st[dst], s, f"buffer %{dst}", f"buffer %{src}")

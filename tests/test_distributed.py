@@ -122,6 +122,18 @@ def test_kv_head_copies_run_on_processes():
         assert [b for r in res for b in r["bad"]] == []
 
 
+def test_partials_in_bf16_run_on_processes():
+    """Partial outputs sent in bf16 (``partials_dtype``) on 4 gloo ranks of 2
+    nodes (node reduces: an aggregator sums bf16 partials into its fp32 own
+    and sends the sum in bf16; the in-node tree; an all-to-all): bit for bit
+    the in-process executor, with order-only matching."""
+    res = ok(run_local(f"{CASES}:equals_in_process", 4,
+                       ([3], ["per_doc", "hypergraph", "span:tree", "ulysses:a2a"], "order",
+                        {"partials_dtype": "bfloat16", "nodes": 2}), timeout=240))
+    assert all(r["ran"] == 4 for r in res)
+    assert [b for r in res for b in r["bad"]] == []
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a2a_runs_as_all_to_all_collectives(world):
     """``comm{mode=a2a}``: every rank runs each phase's data and partials as

@@ -264,7 +264,7 @@ def _estimate(g, home: np.ndarray, n: int, per_node: int, prof, compute: np.ndar
     PARTIAL = -1  # partials travel apart from data (a group of their own; a node's sums another)
 
     def part(rows: np.ndarray, phase: int, kind: int, group):
-        return rows[:, 2], rows[:, 3], buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]), \
+        return rows[:, 2], rows[:, 3], buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1], wire=True), \
             np.broadcast_to(group, len(rows)) + 1
 
     o_grp, dkv_grp = PARTIAL - (o_hop == HOP_CROSS), PARTIAL - (dkv_hop == HOP_CROSS)
@@ -300,7 +300,7 @@ def _merges(g, n: int, prof, o: np.ndarray, dkv: np.ndarray) -> tuple[np.ndarray
     (:func:`attnplan.backends.walk.merge_seconds`, as the simulator charges it).
     ``o``, ``dkv``: the partial rows as they travel (src sends, dst merges)."""
     def at(dst, phase, kind, rows):
-        sec = merge_seconds(buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]).astype(float), prof.mem_bw)
+        sec = merge_seconds(buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1], wire=True).astype(float), prof.mem_bw)
         return np.bincount(dst, weights=sec, minlength=n)
     return at(o[:, 3], FWD, B_O, o), at(o[:, 3], BWD, B_DQ, o) + at(dkv[:, 3], BWD, B_DKV, dkv)
 
@@ -321,7 +321,7 @@ def problem_ir(kwargs: dict) -> PlanIR:
     pieces, ptr, classes = lower_heads(prog, lens.tolist(), segments, q_lens, kwargs["heads"])
     problem = Problem(seqlens=lens, heads=kwargs["heads"], kv_heads=kwargs["kv_heads"], head_dim=kwargs["head_dim"],
                       pieces=pieces, mask=prog.source, segments=segments, dtype=kwargs["dtype"], q_lens=q_lens,
-                      head_class=classes, class_ptr=ptr)
+                      head_class=classes, class_ptr=ptr, partials_dtype=kwargs.get("partials_dtype", "float32"))
     return PlanIR(problem, kwargs["devices"], kwargs["nodes"], kwargs["memory_cap"])
 
 

@@ -153,7 +153,7 @@ def kv_bound(tiled: PlanIR, cuts: np.ndarray, dev: np.ndarray, rows: np.ndarray,
     if p.head_class is not None or g.kv_rep != 1 or not len(rows):
         return np.zeros(n), np.zeros(n), 0.0, 0.0
     kv_token = 2.0 * p.kv_heads * p.head_dim * p.dtype_bytes
-    dkv_token = 2.0 * p.kv_heads * p.head_dim * 4
+    dkv_token = 2.0 * p.kv_heads * p.head_dim * p.partial_bytes  # as partials travel
     starts, lens, owner = cuts[:-1], np.diff(cuts), dev[qb]
     remote = _remote_keys(owner, rows[:, K0], rows[:, K1], starts, lens, dev, n)
     fastest = max(prof.intra_bw, prof.inter_bw)

@@ -314,7 +314,7 @@ def _partial_jobs(ir: PlanIR, prof, phase: int, sh: _Shape, end: np.ndarray, bus
     the receive queue, seconds). Returns per home the bound of its merges
     (module doc) after its last block (``busy``)."""
     g, n = ir.need_graph(), len(busy)
-    parts = [(rows, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1]).astype(float), last)
+    parts = [(rows, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1], wire=True).astype(float), last)
              for rows, kind, last in sh.partials[phase]]
     if not parts or not sum(len(r) for r, _, _ in parts):
         return np.zeros(n)

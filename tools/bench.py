@@ -80,7 +80,7 @@ def load_batches(path: str, names: list[str] | None = None) -> list[dict]:
 
 
 def run_bench(batches, masks, devices, strategies, *, heads=8, kv_heads=2, head_dim=128, block_size=2048,
-              profile="h100", show_progress=True) -> list[dict]:
+              profile="h100", show_progress=True, dtype="bfloat16", partials_dtype="float32") -> list[dict]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     rows = []
     jobs = [(b, m, n) for b in batches for m in masks for n in devices]
@@ -91,7 +91,8 @@ def run_bench(batches, masks, devices, strategies, *, heads=8, kv_heads=2, head_
             bar.update(task, description=f"{b['name']} {mask} x{n}")
             got, _ = compare(strategies, progress=lambda _: bar.advance(task), seqlens=b["seqlens"],
                              segments=b["segments"], mask=mask, devices=n, nodes=max(1, n // 8), heads=heads,
-                             kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, profile=profile)
+                             kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, profile=profile,
+                             dtype=dtype, partials_dtype=partials_dtype)
             for r in got:
                 rows.append({"batch": b["name"], "mask": mask, "devices": n, "tokens": sum(b["seqlens"]), **r})
     return rows
