@@ -136,6 +136,16 @@ def test_execute_equals_dense_bf16(case):
     check(case, "bfloat16")
 
 
+@settings(max_examples=60)
+@given(cases(max_tokens=96))
+def test_execute_equals_dense_with_partials_in_bf16(case):
+    """Partial outputs sent in bf16 (``partials_dtype``), every strategy and
+    schedule (node reduces, the in-node tree, a2a included): equal to dense
+    attention within bf16's tolerance."""
+    case["partials_dtype"] = "bfloat16"
+    check(case, "bfloat16")
+
+
 def test_deterministic_bitwise():
     case = dict(seqlens=[45, 7, 30], mask="sliding_window(9) | (k < 3 & k <= q)", devices=3, heads=4, kv_heads=2,
                 head_dim=8, block_size=8, seed=3)
