@@ -97,6 +97,9 @@ def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, 
     p.add_argument("--partials-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype partial outputs travel in between devices: float32 (default) or --dtype (half the "
                         "bytes of the backward's partial dK/dV, each partial rounded once)")
+    p.add_argument("--keep-kv", action="store_true",
+                   help="the backward reuses the K/V each device received in the forward: no KV moves in the "
+                        "backward; each device holds what it received until then")
     p.add_argument("--profile", default="h100", help=profile_help)
 
 
@@ -263,7 +266,7 @@ def _cmd_compile(args) -> int:
     plan = compile_plan(**batch, mask=args.mask, devices=args.devices, nodes=args.nodes,
                         heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, strategy=args.strategy,
                         block_size=args.block_size, pipeline=args.pipeline, dtype=args.dtype,
-                        partials_dtype=args.partials_dtype,
+                        partials_dtype=args.partials_dtype, keep_kv=args.keep_kv,
                         memory_cap=args.memory_cap, verify=not args.no_verify, profile=args.profile,
                         instruments=(show,) if args.verbose else ())
     where = write_output(args.output, plan.to_bytes(), "plan file")
@@ -423,12 +426,12 @@ def _cmd_compare(args) -> int:
     strategies = _strategy_list(args.strategies)
     check_options(devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype, profile=args.profile,
-                  partials_dtype=args.partials_dtype)
+                  partials_dtype=args.partials_dtype, keep_kv=args.keep_kv)
     with progress(len(strategies), "planning") as advance:
         rows, plans = compare(strategies, progress=advance, **batch, mask=args.mask,
                               devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
                               head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype,
-                              profile=args.profile, partials_dtype=args.partials_dtype)
+                              profile=args.profile, partials_dtype=args.partials_dtype, keep_kv=args.keep_kv)
     if args.html:
         from .backends.viz import render_compare_html
         write_output(args.html, render_compare_html(list(plans.items())), "report")
@@ -474,12 +477,12 @@ def _cmd_bench(args) -> int:
         load_mask(mask)
     check_options(devices=1, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                   block_size=args.block_size, dtype=args.dtype, profile=args.profile,
-                  partials_dtype=args.partials_dtype)
+                  partials_dtype=args.partials_dtype, keep_kv=args.keep_kv)
     from .tools.bench import ensure_out_dir
     out = ensure_out_dir(args.out)
     res = bench(path, args.masks, args.devices, strategies, out, names=_names(args.names), heads=args.heads,
                 kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size, profile=args.profile,
-                dtype=args.dtype, partials_dtype=args.partials_dtype,
+                dtype=args.dtype, partials_dtype=args.partials_dtype, keep_kv=args.keep_kv,
                 show_progress=shows_progress(args.no_progress))
     if args.json:
         print(json.dumps({k: res[k] for k in ("rows", "summary", "best")}, indent=1, default=float))

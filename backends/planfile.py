@@ -94,6 +94,7 @@ def to_body(ir: PlanIR, meta: dict, derive: bool = True) -> dict:
                     if p.segments is not None else None,
                     **({"q_lens": _arr(p.q_lens)} if p.q_lens is not None else {}),  # absent: self-attention
                     **({"partials_dtype": p.partials_dtype} if p.partials_dtype != "float32" else {}),  # absent: fp32
+                    **({"keep_kv": True} if p.keep_kv else {}),  # absent: the backward receives its KV again
                     **({"head_class": _arr(p.head_class), "class_ptr": _arr(p.class_ptr)}
                        if p.head_class is not None and p.class_ptr is not None else {})},  # absent: one mask
         "devices": ir.devices, "nodes": ir.nodes, "memory_cap": ir.memory_cap,

@@ -35,9 +35,10 @@ from ..ir.mask import Pieces
 from ..ir.module import PlanIR
 from ..ir.placement import Placement
 from ..ir.problem import DTYPE_BYTES, Problem
-from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, BBYTES, BHG, BK, BTB, KINDS, M_BYTES, M_COLS, M_DST, M_END,
-                          M_ID, M_PHASE, M_SRC, M_START, MERGE, OPS, PART, PHASES, RECV, SEND, T_BYTES, T_COLS, T_DST,
-                          T_HG, T_KIND, T_PHASE, T_RBUF, T_SBUF, T_SRC, T_TAG, T_TB, WAIT, Program, buffer_bytes)
+from ..ir.program import (ADD, ATTN, ATTN_BWD, BBYTES, BHG, BK, BPEER, BROLE, BTB, B_DKV, KEPT, KINDS, MERGE,
+                          M_BYTES, M_COLS, M_DST, M_END, M_ID, M_PHASE, M_SRC, M_START, OPS, PHASES, RECV, SEND,
+                          T_BYTES, T_COLS, T_DST, T_HG, T_KIND, T_PHASE, T_RBUF, T_SBUF, T_SRC, T_TAG, T_TB, WAIT,
+                          Program, buffer_bytes)
 from ..ir.schedule import Schedule
 from ..ir.segments import check_segments
 from .cost import PROFILES
@@ -211,6 +212,10 @@ def problem(pb) -> Problem:
               **{f: array(pb, f, "problem", max_len=n) for f, n in _OPTIONAL.items() if f in pb})
     if "partials_dtype" in pb:  # absent: float32
         kw["partials_dtype"] = string(pb, "partials_dtype", "problem", 32)
+    if "keep_kv" in pb:  # absent: False
+        if pb["keep_kv"] is not True and pb["keep_kv"] is not False:
+            fail(f"problem.keep_kv must be a boolean, got {_kind(pb['keep_kv'])}")
+        kw["keep_kv"] = pb["keep_kv"]
     try:  # Problem checks what the optional arrays mean (cross-attention, per-head masks)
         return Problem(seqlens=lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, pieces=Pieces(pieces), **kw)
     except (PlanError, BatchError) as e:
@@ -417,7 +422,9 @@ def _buffers(recs: list, g: BlockGraph, devices: int) -> tuple:
             name = f"program.buffers[{ph}][{d}]"
             b = record(rec, name, cols=6)
             columns_in_range(b, {0: ("kind", 0, B_DKV), 1: ("tb", 0, g.n_tb - 1), 2: ("hg", 0, g.n_hg - 1),
-                                 3: ("role", 0, PART), 4: ("peer", -1, devices - 1)}, name)
+                                 3: ("role", 0, KEPT), 4: ("peer", -1, BIG)}, name)
+            # a kept buffer's peer is a forward buffer's index (the verifier checks which); others name a device
+            in_range(b[b[:, BROLE] != KEPT, BPEER], -1, devices - 1, f"{name}[:, peer]")
             with np.errstate(over="ignore"):
                 b[:, BBYTES] += derived_buffer_bytes(g, ph, b)  # stored: the residual
             in_range(b[:, BBYTES], 0, BIG, f"{name}[:, bytes]")

@@ -101,6 +101,7 @@ def compute_stats(ir, plan_s: float | None = 0.0, profile: Profile | str = "h100
         "samples": int(len(p.seqlens)),
         "heads": p.heads, "kv_heads": p.kv_heads, "head_dim": p.head_dim, "dtype": p.dtype,
         "partials_dtype": p.partials_dtype,
+        "keep_kv": p.keep_kv,
         "kv_copies": int(ir.graph.kv_rep),  # copies of every kv head the plan moves and stores (ulysses > kv)
         "pairs": total_pairs,
         "flops_fwd": total_flops,
@@ -142,7 +143,8 @@ def format_stats(s: dict) -> str:
         ("devices x nodes", f"{s['devices']} on {s['nodes']} node(s)"),
         ("tokens / samples", f"{s['tokens']} / {s['samples']}"),
         ("heads q/kv x dim", f"{s['heads']}/{s['kv_heads']} x {s['head_dim']} ({s['dtype']}"
-                             + (f", partials {s['partials_dtype']})" if s['partials_dtype'] != "float32" else ")")
+                             + (f", partials {s['partials_dtype']}" if s['partials_dtype'] != "float32" else "")
+                             + (", forward KV kept)" if s.get("keep_kv") else ")")
                              + (f", kv heads copied x{s['kv_copies']}" if s.get("kv_copies", 1) > 1 else "")),
         ("pairs", f"{s['pairs']:,}"),
         ("flops fwd", f"{s['flops_fwd']:.3e}"),

@@ -95,7 +95,13 @@ class Problem:
     sends each partial rounded to it — half the bytes of the backward's
     partial dK/dV, one rounding per partial sent (MagiAttention's default,
     its ``MAGI_ATTENTION_BACKWARD_HIGH_PRECISION_REDUCE`` off). The lse of a
-    partial O stays float32."""
+    partial O stays float32.
+
+    ``keep_kv``: the backward reuses the K/V blocks each device received in
+    the forward instead of receiving them again (what it costs: every device
+    holds the KV it received from the forward until the backward, per layer;
+    TransformerEngine's all-gather CP gathers K/V again in its backward,
+    trading the other way). The backward then moves no KV."""
 
     seqlens: np.ndarray
     heads: int
@@ -109,6 +115,7 @@ class Problem:
     head_class: np.ndarray | None = None
     class_ptr: np.ndarray | None = None
     partials_dtype: str = "float32"
+    keep_kv: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "seqlens", _check_seqlens(self.seqlens))
@@ -128,6 +135,9 @@ class Problem:
         if self.partials_dtype not in ("float32", self.dtype):
             raise PlanError(f"partials_dtype must be float32 or the problem's dtype ({self.dtype}), got "
                             f"{self.partials_dtype!r}")
+        if not isinstance(self.keep_kv, (bool, np.bool_)):
+            raise PlanError(f"keep_kv must be True or False, got {self.keep_kv!r}")
+        object.__setattr__(self, "keep_kv", bool(self.keep_kv))
         if not isinstance(self.pieces, Pieces):
             raise PlanError(f"pieces must be mask Pieces, got {type(self.pieces).__name__}")
         if len(self.pieces) > MAX_MASK_PIECES:

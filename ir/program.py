@@ -29,8 +29,10 @@ transport may match them by posting order alone, as NCCL does.
 
 Buffers are rows ``(kind, tb, hg, role, peer, bytes)``; ``kind`` is Q, KV, O,
 dQ or dKV of token block ``tb`` and head group ``hg``; ``role`` is ``home``
-(the device owns it), ``recv`` (received from ``peer``) or ``part`` (a partial
-result computed here for another device's home).
+(the device owns it), ``recv`` (received from ``peer``), ``part`` (a partial
+result computed here for another device's home) or, backward only, ``kept``
+(a KV block this device received in the forward and kept: ``peer`` is that
+forward receive buffer's index on the same device; ``Problem.keep_kv``).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ FWD, BWD = 0, 1
 PHASES = ("fwd", "bwd")
 B_Q, B_KV, B_O, B_DQ, B_DKV = range(5)
 KINDS = ("Q", "KV", "O", "dQ", "dKV")
-HOME, RECVD, PART = range(3)
-ROLES = ("home", "recv", "part")
+HOME, RECVD, PART, KEPT = range(4)
+ROLES = ("home", "recv", "part", "kept")
 # transfer columns: the block, its route, its bytes, its buffer on the source and on the destination
 T_TAG, T_PHASE, T_KIND, T_TB, T_HG, T_SRC, T_DST, T_BYTES, T_SBUF, T_RBUF = range(10)
 T_COLS = 10
@@ -119,7 +121,7 @@ ISA = (
            "(a node reduce's aggregator; online-softmax merge, fp32)"),
     OpSpec(ATTN_BWD, "attn_bwd", ("cb", "q", "kv", "dq", "dkv"), (ARG_CB, ARG_BUF, ARG_BUF, ARG_BUF, ARG_BUF),
            (1, 2), (3, 4), (None, (B_Q,), (B_KV,), (B_DQ,), (B_DKV,)),
-           (None, (HOME, RECVD), (HOME, RECVD), (HOME, PART), (HOME, PART)), (BWD,),
+           (None, (HOME, RECVD), (HOME, RECVD, KEPT), (HOME, PART), (HOME, PART)), (BWD,),
            "dq += ∂q, dkv += ∂kv of compute block ``cb``"),
     OpSpec(ADD, "add", ("dst", "src"), (ARG_BUF, ARG_BUF), (0, 1), (0,),
            ((B_DQ, B_DKV), (B_DQ, B_DKV)), ((HOME, PART), (RECVD,)), (BWD,),
@@ -279,7 +281,7 @@ def format_transfer(t) -> str:
 
 
 def format_buffer(b) -> str:
-    src = f" d{b[BPEER]}" if b[BROLE] == RECVD else ""
+    src = f" d{b[BPEER]}" if b[BROLE] == RECVD else f" %{b[BPEER]}" if b[BROLE] == KEPT else ""
     return f"{KINDS[b[BK]]} tb={b[BTB]} hg={b[BHG]} {ROLES[b[BROLE]]}{src} {b[BBYTES]}"
 
 
@@ -345,13 +347,14 @@ def _parse_transfer(w: list, no: int) -> list:
 
 
 def _parse_buffer(w: list, index: int, no: int) -> list:
-    _arity(w, (7, 8), no, "buffer %<i> <kind> tb=<n> hg=<n> <role> [d<src>] <bytes>")
+    _arity(w, (7, 8), no, "buffer %<i> <kind> tb=<n> hg=<n> <role> [d<src> | %<forward buffer>] <bytes>")
     if _num(w[1], "%", no) != index:
         raise PlanFileError(f"program text line {no}: buffers must be numbered in order (expected %{index})")
     role = _word(w[5], ROLES, "role", no)
-    if (len(w) == 8) != (role == RECVD):
-        raise PlanFileError(f"program text line {no}: only a 'recv' buffer names its source device")
-    peer = _num(w[6], "d", no) if role == RECVD else -1
+    if (len(w) == 8) != (role in (RECVD, KEPT)):
+        raise PlanFileError(f"program text line {no}: only a 'recv' buffer names its source device and only a "
+                            f"'kept' one its forward buffer")
+    peer = _num(w[6], "d" if role == RECVD else "%", no) if len(w) == 8 else -1
     return [_word(w[2], KINDS, "kind", no), _num(w[3], "tb=", no), _num(w[4], "hg=", no), role, peer,
             _num(w[-1], "", no)]
 

@@ -58,6 +58,7 @@ from .program import (
     FWD,
     HOME,
     ISA,
+    KEPT,
     KINDS,
     M_BYTES,
     M_COLS,
@@ -319,17 +320,20 @@ def check_buffers(g, pl, f: PhaseView, memory_cap: int | None) -> None:
     data = (f.bk == B_Q) | (f.bk == B_KV)
     ok = member(f.bk, PHASE_KINDS[f.phase], len(KINDS)) & (f.btb >= 0) & (f.btb < g.n_tb)
     ok &= (f.bhg >= 0) & (f.bhg < g.n_hg)
-    ok &= (f.brole >= 0) & (f.brole <= PART) & ~(data & (f.brole == PART))
+    kept = f.brole == KEPT
+    ok &= (f.brole >= 0) & (f.brole <= KEPT) & ~(data & (f.brole == PART))
+    ok &= ~kept | ((f.bk == B_KV) & (f.phase == BWD))
     bad = first(~ok)
     if bad is not None:
         fail(5, f"device {d[bad]} {f.name}: buffer %{f.local(bad)} {f.B[bad].tolist()} names a block kind, token "
                 f"block, head group or role that does not exist here (kinds in {f.name}: "
-                f"{', '.join(KINDS[k] for k in PHASE_KINDS[f.phase])}; Q and KV are never partial)")
+                f"{', '.join(KINDS[k] for k in PHASE_KINDS[f.phase])}; Q and KV are never partial; only the "
+                f"backward keeps, and only KV)")
     recv = f.brole == RECVD
-    bad = first(np.where(recv, (f.bpeer < 0) | (f.bpeer >= n) | (f.bpeer == d), f.bpeer != -1))
+    bad = first(np.where(recv, (f.bpeer < 0) | (f.bpeer >= n) | (f.bpeer == d), ~kept & (f.bpeer != -1)))
     if bad is not None:
         fail(5, f"device {d[bad]} {f.name}: buffer %{f.local(bad)} has peer {f.bpeer[bad]}: a receive buffer "
-                f"names another device, other buffers -1")
+                f"names another device, a kept one its forward buffer, other buffers -1")
     want = np.zeros(len(f.B), np.int64)
     for kind in PHASE_KINDS[f.phase]:
         for wire in (False, True):  # a receive buffer holds what travels
@@ -345,6 +349,37 @@ def check_buffers(g, pl, f: PhaseView, memory_cap: int | None) -> None:
         if bad is not None:
             fail(6, f"device {bad} needs {int(f.bbytes[d == bad].sum())} bytes of buffers in {f.name}, "
                     f"cap is {memory_cap}")
+
+
+def check_kept(g, prog: Program) -> None:
+    """A kept buffer (backward) names a forward receive buffer of the same
+    device that holds the same KV block, each device keeps a block once, and
+    only a problem with ``keep_kv`` keeps (its runtime hands them over). The forward's receive into it completes
+    (:func:`check_partials`), so it holds the data when the backward starts."""
+    if not any((t[:, BROLE] == KEPT).any() for t in prog.buffers[BWD]):
+        return
+    if not g.problem.keep_kv:
+        fail(3, "the backward keeps forward KV buffers, but the problem does not keep KV (keep_kv is off): a runtime "
+                "would not hand them over")
+    f, b = PhaseView(prog, FWD), PhaseView(prog, BWD)
+    kept = np.flatnonzero(b.brole == KEPT)
+    dev, src = b.bdev[kept], b.bpeer[kept]
+    ok = (src >= 0) & (src < f.nb[dev])
+    gf = f.boff[dev] + np.where(ok, src, 0)
+    if len(f.B):
+        ok &= (f.bk[gf] == B_KV) & (f.brole[gf] == RECVD) & (f.btb[gf] == b.btb[kept]) & (f.bhg[gf] == b.bhg[kept])
+    else:
+        ok[:] = False
+    bad = first(~ok)
+    if bad is not None:
+        fail(3, f"device {dev[bad]} bwd: kept buffer %{b.local(kept[bad])} ({KINDS[b.bk[kept[bad]]]}[tb"
+                f"{b.btb[kept[bad]]},hg{b.bhg[kept[bad]]}]) names forward buffer %{src[bad]}, which is not a receive "
+                f"buffer of that block on d{dev[bad]}")
+    key = np.sort((dev * g.n_tb + b.btb[kept]) * g.n_hg + b.bhg[kept])
+    dup = first(key[1:] == key[:-1])
+    if dup is not None:
+        dv, r = divmod(int(key[dup]), g.n_tb * g.n_hg)
+        fail(5, f"device {dv} bwd keeps KV[tb{r // g.n_hg},hg{r % g.n_hg}] twice")
 
 
 def _check_home_buffers(g, pl, f: PhaseView) -> None:
@@ -570,7 +605,7 @@ def ready_times(f: PhaseView, wait_at: np.ndarray) -> tuple[np.ndarray, np.ndarr
     write by a compute, merge or add instruction (−1: none). A buffer is
     received into at most once."""
     ready = np.full(len(f.B), NEVER, np.int64)
-    ready[f.brole == HOME] = -1
+    ready[(f.brole == HOME) | (f.brole == KEPT)] = -1  # a kept block holds the forward's data (check_kept)
     ts, sel = f.ts, f.tsel
     gb = f.boff[f.x[T_DST][sel]] + f.x[T_RBUF][sel]
     dup = _first_duplicate(gb, len(f.B))
@@ -720,3 +755,4 @@ def verify_program(g, pl, prog: Program, memory_cap: int | None = None) -> None:
     tmsg = check_messages(prog, XT)
     for phase in (FWD, BWD):
         verify_phase(g, pl, prog, phase, memory_cap, tmsg, XT)
+    check_kept(g, prog)

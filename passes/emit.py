@@ -57,9 +57,10 @@ from ..errors import PlanError, VerifyError
 from ..ir.graph import BlockGraph
 from ..ir.module import PlanIR
 from ..ir.placement import Placement
-from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, HOME, KINDS, M_COLS, M_DST,
-                          M_PHASE, M_SRC, M_START, MERGE, PART, PHASES, RECV, RECVD, SEND, T_BYTES, T_COLS, T_DST, T_HG,
-                          T_KIND, T_PHASE, T_RBUF, T_SBUF, T_SRC, T_TAG, T_TB, WAIT, Program, buffer_bytes)
+from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, HOME, KEPT, KINDS, M_COLS,
+                          M_DST, M_PHASE, M_SRC, M_START, MERGE, PART, PHASES, RECV, RECVD, SEND, T_BYTES, T_COLS,
+                          T_DST, T_HG, T_KIND, T_PHASE, T_RBUF, T_SBUF, T_SRC, T_TAG, T_TB, WAIT, Program,
+                          buffer_bytes)
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, Schedule
 from ..ir.verify import needed_transfers
 from .base import Pass
@@ -123,8 +124,9 @@ def _block_parts(ir: PlanIR) -> tuple[list, list]:
     def routed(rows):
         return reduce_rows(rows, pl.devices_per_node) if s.reduce else direct(rows)
     o_r, dkv_r = routed(o), routed(dkv)
+    bwd_kv = kv[:0] if ir.problem.keep_kv else kv  # kept: each device reuses the KV it received in the forward
     return ([(B_Q, *direct(q)), (B_KV, *direct(kv)), (B_O, *o_r)],
-            [(B_Q, *direct(q)), (B_KV, *direct(kv)), (B_DQ, *o_r), (B_DKV, *dkv_r)])
+            [(B_Q, *direct(q)), (B_KV, *direct(bwd_kv)), (B_DQ, *o_r), (B_DKV, *dkv_r)])
 
 
 def _send_stages(ir: PlanIR, kind, tb, hg, src) -> np.ndarray:
@@ -283,6 +285,8 @@ class _Phase:
     out_msg: np.ndarray       # ... their message
     m: np.ndarray             # device -> home token blocks
     n_home: np.ndarray        # device -> home buffers
+    n_fixed: np.ndarray       # device -> home and kept buffers (kept: the backward's KV received in the forward)
+    kept: np.ndarray          # kept buffers: rows (device, local index, buffer-table row...) [k, 8]
     n_in: np.ndarray          # device -> incoming transfers
     inc_buf: np.ndarray       # local receive buffer of each row of ``inc``
     recv_keys: np.ndarray     # sorted keys (device, kind, tb, hg) of receive buffers
@@ -338,7 +342,7 @@ class _Phase:
         if not len(buf):
             return np.zeros(0, _I64)
         start = np.searchsorted(self.inc[:, T_DST], np.arange(len(self.n_home)))
-        return self.inc_msg[start[dev] + buf - self.n_home[dev]]
+        return self.inc_msg[start[dev] + buf - self.n_fixed[dev]]
 
 
 def _key(n_tb: int, n_hg: int, dev, kind, tb, hg) -> np.ndarray:
@@ -354,8 +358,27 @@ def _last_of_each(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     return k[last], values[order][last]
 
 
+def _kept(ir: PlanIR, fwd: _Phase | None, n_home: np.ndarray) -> np.ndarray:
+    """The backward's kept buffers (``Problem.keep_kv``): every KV block a
+    device computes with and does not home, device-major, each at its local
+    index after the home buffers and naming the forward buffer it was
+    received into. Rows ``(device, local, kind, tb, hg, KEPT, forward buffer, bytes)``."""
+    if fwd is None:
+        return np.zeros((0, 8), _I64)
+    g, pl, _ = _levels(ir)
+    dev, tb, hg = pl.cb_device, g.cb_k, g.cb_hg
+    remote = pl.home[tb] != dev
+    key = np.unique(_key(g.n_tb, g.n_hg, dev[remote], B_KV, tb[remote], hg[remote]))
+    hg_k, rest = key % g.n_hg, key // g.n_hg
+    tb_k, dev_k = rest % g.n_tb, rest // g.n_tb // len(KINDS)
+    src = fwd.lookup(dev_k, B_KV, tb_k, hg_k, lambda i: f"kept KV[tb{tb_k[i]},hg{hg_k[i]}]")
+    nbytes = buffer_bytes(g, BWD, B_KV, tb_k, hg_k)
+    return np.column_stack([dev_k, n_home[dev_k] + _rank_in_group(dev_k),
+                            _rows(np.full(len(key), B_KV), tb_k, hg_k, KEPT, src, nbytes)]).reshape(-1, 8)
+
+
 def _phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.ndarray, born: np.ndarray,
-           cross: np.ndarray, phase: int) -> _Phase:
+           cross: np.ndarray, phase: int, fwd: _Phase | None = None) -> _Phase:
     (g, pl, s), n = _levels(ir), ir.devices
     kinds = np.array((B_Q, B_KV, B_O) if phase == FWD else (B_Q, B_KV, B_DQ, B_DKV))
     tb = np.repeat(np.arange(g.n_tb), g.n_hg)
@@ -369,17 +392,21 @@ def _phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.
     rank[by_home] = _rank_in_group(pl.home[by_home])
     m = np.bincount(pl.home, minlength=n)
     n_home = len(kinds) * m * g.n_hg
+    kept = _kept(ir, fwd, n_home)
+    n_fixed = n_home + np.bincount(kept[:, 0], minlength=n)
     in_table = np.empty(len(ph), _I64)  # the phase's rows in table order (kind, then the schedule's)
     in_table[born[lo:hi]] = np.arange(len(ph))
     io = in_table[_by_device(ph[in_table, T_DST])]  # by destination, table order within: receive buffers
     inc = ph[io]
-    inc_buf = n_home[inc[:, T_DST]] + _rank_in_group(inc[:, T_DST])
-    recv_keys, recv_buf = _last_of_each(_key(g.n_tb, g.n_hg, inc[:, T_DST], inc[:, T_KIND], inc[:, T_TB],
-                                             inc[:, T_HG]), inc_buf)
+    inc_buf = n_fixed[inc[:, T_DST]] + _rank_in_group(inc[:, T_DST])
+    recv_keys, recv_buf = _last_of_each(np.r_[_key(g.n_tb, g.n_hg, kept[:, 0], B_KV, kept[:, 3], kept[:, 4]),
+                                              _key(g.n_tb, g.n_hg, inc[:, T_DST], inc[:, T_KIND], inc[:, T_TB],
+                                                   inc[:, T_HG])], np.r_[kept[:, 1], inc_buf])
     oo = _by_device(ph[:, T_SRC])
     msgs = np.flatnonzero(M[:, M_PHASE] == phase)
     return _Phase(g, pl, s, phase, pl.home, rank, kinds, np.array((B_O,) if phase == FWD else (B_DQ, B_DKV)),
-                  nbytes, rows, inc, rows[io], tmsg[rows[io]], ph[oo], rows[oo], tmsg[rows[oo]], m, n_home,
+                  nbytes, rows, inc, rows[io], tmsg[rows[io]], ph[oo], rows[oo], tmsg[rows[oo]], m, n_home, n_fixed,
+                  kept,
                   np.bincount(ph[:, T_DST], minlength=n),
                   inc_buf, recv_keys, recv_buf, msgs, M[msgs, M_SRC], M[msgs, M_DST],
                   _is_data(X[M[msgs, M_START], T_KIND]), post, cross[msgs])
@@ -394,10 +421,11 @@ def _buffer_tables(sh: _Phase, part_dev: np.ndarray, part_rows: np.ndarray, part
     k, tb, h = (a.ravel() for a in np.meshgrid(np.arange(len(sh.kinds)), np.arange(len(sh.home)), np.arange(H),
                                               indexing="ij"))
     dev = sh.home[tb]
-    size = sh.n_home + sh.n_in + np.bincount(part_dev, minlength=n_dev)
+    size = sh.n_fixed + sh.n_in + np.bincount(part_dev, minlength=n_dev)
     off = np.cumsum(size) - size
     table = np.empty((int(size.sum()), 6), _I64)
     table[off[dev] + (k * sh.m[dev] + sh.rank[tb]) * H + h] = _rows(sh.kinds[k], tb, h, HOME, -1, sh.nbytes[k, tb, h])
+    table[off[sh.kept[:, 0]] + sh.kept[:, 1]] = sh.kept[:, 2:]
     inc = sh.inc
     table[off[inc[:, T_DST]] + sh.inc_buf] = _rows(inc[:, T_KIND], inc[:, T_TB], inc[:, T_HG], RECVD, inc[:, T_SRC],
                                                    inc[:, T_BYTES])
@@ -518,7 +546,7 @@ def _partials(sh: _Phase, dev, targets: np.ndarray, hg: np.ndarray):
     rank = np.empty(len(uniq), _I64)
     rank[created] = np.arange(len(uniq))
     fd, fk, ft, fh = d[first[created]], kind[first[created]], tb[first[created]], h[first[created]]
-    local = sh.n_home[fd] + sh.n_in[fd] + _rank_in_group(fd)
+    local = sh.n_fixed[fd] + sh.n_in[fd] + _rank_in_group(fd)
     outs = np.empty(n * m, _I64)
     outs[part] = local[rank[inv.ravel()]]
     outs[~part] = sh.home_index(kind[~part], tb[~part], h[~part])
@@ -649,7 +677,7 @@ def _compute_events(sh: _Phase, c: _Compute) -> list[_Events]:
     """Per compute block: wait the messages of its received operands, run it."""
     ev = []
     for sub, b in ((0, c.qb), (1, c.kb)):
-        rcv = np.flatnonzero(b >= sh.n_home[c.dev])  # operands are home or received, never partial
+        rcv = np.flatnonzero(b >= sh.n_fixed[c.dev])  # operands are home, kept or received, never partial
         m = sh.message_of(c.dev[rcv], b[rcv])
         at = c.run_first[rcv]  # before the first block of its run
         ev.append(_Events.make(c.dev[rcv], c.stage[rcv], _COMPUTE, c.local[at], sub, 0, _code(WAIT, m), m))
@@ -781,10 +809,11 @@ def _streams(n_dev: int, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[np.
 
 
 def _emit_phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.ndarray, born: np.ndarray,
-                cross: np.ndarray, phase: int) -> tuple[list, list]:
-    """Every device's buffer table and instruction stream of one phase; fills
-    the phase's source and receive buffer columns of ``X``."""
-    sh = _phase(ir, X, tmsg, M, post, born, cross, phase)
+                cross: np.ndarray, phase: int, fwd: _Phase | None = None) -> tuple[list, list, _Phase]:
+    """Every device's buffer table and instruction stream of one phase, and
+    the phase's layout; fills the phase's source and receive buffer columns
+    of ``X``. ``fwd``: the forward's layout, where the backward keeps KV."""
+    sh = _phase(ir, X, tmsg, M, post, born, cross, phase, fwd)
     c = _compute(sh)
     posts, data_sb = _post_events(sh, c)
     sends, po, part_sb = _partial_sends(sh, c)
@@ -794,14 +823,17 @@ def _emit_phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post
     X[sh.inc_row, T_RBUF] = sh.inc_buf
     X[sh.out_row[_is_data(sh.out[:, T_KIND])], T_SBUF] = data_sb
     X[sh.out_row[po], T_SBUF] = part_sb
-    return _buffer_tables(sh, c.part_dev, c.part_rows, c.part_buf), code
+    return _buffer_tables(sh, c.part_dev, c.part_rows, c.part_buf), code, sh
 
 
 def emit(ir: PlanIR) -> Program:
     X, tmsg, M, post, born, cross = transfer_table(ir)
     bufs, code = [], []
+    fwd = None
     for phase in (FWD, BWD):
-        b, c = _emit_phase(ir, X, tmsg, M, post, born, cross, phase)
+        b, c, sh = _emit_phase(ir, X, tmsg, M, post, born, cross, phase,
+                               fwd if ir.problem.keep_kv else None)
+        fwd = sh
         bufs.append(tuple(b))
         code.append(tuple(c))
     return Program(ir.devices, X, tuple(bufs), tuple(code), M)

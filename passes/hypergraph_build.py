@@ -84,10 +84,14 @@ class _Hyper:
 
 def side_bytes(g: BlockGraph) -> tuple[np.ndarray, np.ndarray]:
     """Bytes one more device using a (tb, hg) data block costs under p2p
-    communication, forward + backward: (Q side, KV side), each ``[n_tb, n_hg]``."""
+    communication, forward + backward (KV in the forward only under
+    ``keep_kv``): (Q side, KV side), each ``[n_tb, n_hg]``."""
     tb = np.repeat(np.arange(g.n_tb), g.n_hg)
     hg = np.tile(np.arange(g.n_hg), g.n_tb)
-    q_side, kv_side = ((FWD, B_Q), (FWD, B_O), (BWD, B_Q), (BWD, B_DQ)), ((FWD, B_KV), (BWD, B_KV), (BWD, B_DKV))
+    q_side = ((FWD, B_Q), (FWD, B_O), (BWD, B_Q), (BWD, B_DQ))
+    kv_side: tuple = ((FWD, B_KV), (BWD, B_KV), (BWD, B_DKV))
+    if g.problem.keep_kv:  # the backward computes with the forward's copies: KV travels once
+        kv_side = ((FWD, B_KV), (BWD, B_DKV))
     q = np.sum([buffer_bytes(g, ph, k, tb, hg, wire=True) for ph, k in q_side], 0)  # partials as they travel
     kv = np.sum([buffer_bytes(g, ph, k, tb, hg, wire=True) for ph, k in kv_side], 0)
     return q.reshape(g.n_tb, g.n_hg), kv.reshape(g.n_tb, g.n_hg)

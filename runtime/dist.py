@@ -66,7 +66,7 @@ from . import layout
 from .collective import CollectiveTransport
 from .executor import check_inputs, embed, expand_kv, order_heads, resolve_scale, restore_heads
 from .kernels import settle_rows_without_mass
-from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, pack
+from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, kept_bindings, pack
 from .transport import TransportError
 
 TIMEOUT_ENV = "ATTNPLAN_TIMEOUT"  # default seconds a transfer may take (300 when unset)
@@ -375,6 +375,7 @@ class _Call:
     timings: Timings | None
     compute: bool = True
     match: str = "tag"
+    kept: dict | None = None  # after the forward: the buffers its backward keeps (Problem.keep_kv)
 
     def run(self, phase: int, tensors: dict, dtype) -> None:
         g, prog = self.ir.graph, self.ir.program
@@ -385,10 +386,14 @@ class _Call:
             tr = CollectiveTransport(prog, phase, self.device, self.info, self.timeout)
         else:
             tr = TorchTransport(prog, self.device, self.info, self.generation, self.timeout, self.match)
-        runner = DeviceRunner(g, prog, phase, self.device, home_bindings(g, prog, phase, self.device, tensors, row0),
-                              tr, self.scale, dtype, self.timings, self.compute, where=tensors["q"].device)
+        home = home_bindings(g, prog, phase, self.device, tensors, row0)
+        if phase == BWD and self.kept is not None:
+            home.update(kept_bindings(prog, self.device, self.kept))
+        runner = DeviceRunner(g, prog, phase, self.device, home, tr, self.scale, dtype, self.timings, self.compute,
+                              where=tensors["q"].device)
         runner.run()
         tr.drain()
+        self.kept = runner.kept() if phase == FWD and self.ir.problem.keep_kv else None
 
 
 class DistAttention(torch.autograd.Function):

@@ -35,7 +35,7 @@ from ..ir.module import PlanIR
 from ..ir.program import BWD, FWD
 from . import kernels
 from .kernels import check_scale, settle_rows_without_mass
-from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings
+from .runner import NEG_INF, DeviceRunner, Timings, acc_dtype, home_bindings, kept_bindings
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -173,24 +173,25 @@ def optimistic(device: torch.device) -> bool:
 RESET = {"out": 0.0, "lse": NEG_INF, "dq": 0.0, "dk": 0.0, "dv": 0.0}  # what the results hold before a phase
 
 
-def _run_all(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None) -> None:
+def _run_all(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None,
+             kept: list | None = None) -> list:
     """Run ``phase``, its kernels told whether the inputs are finite. On a GPU the check is not read before
     the kernels are queued (a host sync would idle the device): the phase runs as if finite, and in the
     rare case it was not, runs again from reset results with every tile checking its own inputs (the
     exact path for non-finite operands)."""
     flag = inputs_finite(phase, tensors)
     if not optimistic(tensors["q"].device):
-        _run_layout(plan_ir, phase, tensors, scale, dtype, timings, bool(flag))
-        return
-    _run_layout(plan_ir, phase, tensors, scale, dtype, timings, True)
+        return _run_layout(plan_ir, phase, tensors, scale, dtype, timings, bool(flag), kept)
+    out = _run_layout(plan_ir, phase, tensors, scale, dtype, timings, True, kept)
     if not bool(flag):
         for n in RESULTS[phase]:
             tensors[n].fill_(RESET[n])
-        _run_layout(plan_ir, phase, tensors, scale, dtype, timings, False)
+        out = _run_layout(plan_ir, phase, tensors, scale, dtype, timings, False, kept)
+    return out
 
 
 def _run_layout(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings: Timings | None,
-                finite: bool) -> None:
+                finite: bool, kept: list | None = None) -> list:
     """Every device's stream of ``phase`` on the global ``tensors``: varlen groups whose spans are not in
     token order run on block-major copies, their results written back."""
     g = plan_ir.graph
@@ -199,46 +200,54 @@ def _run_layout(plan_ir, phase: int, tensors: dict, scale: float, dtype, timings
         rows_np = None  # the groups' spans are already in token order: no copies
     lens = g.tb_len
     if rows_np is None:
-        _run_devices(plan_ir, phase, tensors, np.cumsum(lens) - lens, scale, dtype, timings, finite)
-        return
+        return _run_devices(plan_ir, phase, tensors, np.cumsum(lens) - lens, scale, dtype, timings, finite, kept)
     rows = torch.from_numpy(rows_np).to(tensors["q"].device)
     local = {n: t.index_select(0, rows) for n, t in tensors.items()}
-    _run_devices(plan_ir, phase, local, np.cumsum(lens) - lens, scale, dtype, timings, finite)
+    out = _run_devices(plan_ir, phase, local, np.cumsum(lens) - lens, scale, dtype, timings, finite, kept)
     for n in RESULTS[phase]:
         tensors[n].index_copy_(0, rows, local[n])
+    return out
 
 
 def _run_devices(plan_ir, phase: int, tensors: dict, row0: np.ndarray, scale: float, dtype,
-                 timings: Timings | None, finite: bool) -> None:
-    """Every device's program of ``phase`` on ``tensors``, block ``tb``'s rows starting at ``row0[tb]``."""
+                 timings: Timings | None, finite: bool, kept: list | None = None) -> list:
+    """Every device's program of ``phase`` on ``tensors``, block ``tb``'s rows starting at ``row0[tb]``.
+    Returns each device's buffers its backward keeps (forward; ``kept``: the backward's, from the forward)."""
     g, prog = plan_ir.graph, plan_ir.program
     box = Mailbox(prog)
-    runners = [DeviceRunner(g, prog, phase, d, home_bindings(g, prog, phase, d, tensors, row0),
+    runners = [DeviceRunner(g, prog, phase, d, {**home_bindings(g, prog, phase, d, tensors, row0),
+                                                **(kept_bindings(prog, d, kept[d]) if kept else {})},
                             box.endpoint(d), scale, dtype, timings, where=tensors["q"].device, finite=finite)
                for d in range(prog.devices)]
     cooperate(prog, phase, lambda d, i, row: runners[d].step(i, row))
+    return [r.kept() for r in runners]
 
 
-def run_forward(plan_ir, q, k, v, scale: float, timings: Timings | None = None):
+def run_forward(plan_ir, q, k, v, scale: float, timings: Timings | None = None, kept: list | None = None):
     """Execute the forward programs. Returns (out [T, Hq, D], lse [T, Hq]) in
-    the accumulator dtype (float32; float64 for float64 inputs)."""
+    the accumulator dtype (float32; float64 for float64 inputs). ``kept``: a
+    list that receives every device's buffers its backward keeps (``Problem.keep_kv``)."""
     T, Hq, D = q.shape
     acc = acc_dtype(q.dtype)
     out = torch.zeros(T, Hq, D, dtype=acc, device=q.device)
     lse = torch.full((T, Hq), NEG_INF, dtype=acc, device=q.device)
-    _run_all(plan_ir, FWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale, q.dtype, timings)
+    held = _run_all(plan_ir, FWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, scale, q.dtype, timings)
+    if kept is not None:
+        kept[:] = held
     p = plan_ir.problem
     settle_rows_without_mass(out, lse, np.arange(T), p.pieces.a, p.class_heads(ir_order=True))
     return out, lse
 
 
-def run_backward(plan_ir, q, k, v, out, lse, dout, scale: float, timings: Timings | None = None):
+def run_backward(plan_ir, q, k, v, out, lse, dout, scale: float, timings: Timings | None = None,
+                 kept: list | None = None):
     """Execute the backward programs with the global out/lse. Returns (dq, dk, dv)
-    in the accumulator dtype."""
+    in the accumulator dtype. ``kept``: what :func:`run_forward` kept (a plan
+    with ``keep_kv`` needs it)."""
     acc = acc_dtype(q.dtype)
     grads = {n: torch.zeros(t.shape, dtype=acc, device=q.device) for n, t in (("dq", q), ("dk", k), ("dv", v))}
     _run_all(plan_ir, BWD, {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, **grads}, scale,
-             q.dtype, timings)
+             q.dtype, timings, kept)
     return grads["dq"], grads["dk"], grads["dv"]
 
 
@@ -247,17 +256,20 @@ class PlanAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan_ir, scale, timings=None):
-        out, lse = run_forward(plan_ir, q.detach(), k.detach(), v.detach(), scale, timings)
+        kept: list = []
+        out, lse = run_forward(plan_ir, q.detach(), k.detach(), v.detach(), scale, timings, kept)
         res = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, res, lse)
         ctx.plan_ir, ctx.scale, ctx.timings = plan_ir, scale, timings
+        ctx.kept = kept if plan_ir.problem.keep_kv else None  # the KV blocks each device received, for the backward
         return res
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = run_backward(ctx.plan_ir, q.detach(), k.detach(), v.detach(), out, lse,
-                                  dout.contiguous().to(q.dtype), ctx.scale, ctx.timings)
+                                  dout.contiguous().to(q.dtype), ctx.scale, ctx.timings, ctx.kept)
+        ctx.kept = None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

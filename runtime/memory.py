@@ -5,7 +5,9 @@ The program states every buffer's size (its row of the buffer table,
 name it, its lifetime. The runner (:mod:`attnplan.runtime.runner`) binds home
 buffers to the caller's tensors for the whole stream and creates every other
 buffer at the first instruction that names it (a receive, a kernel's partial
-output, a merge or add into an empty buffer), dropping it after its last one.
+output, a merge or add into an empty buffer), dropping it after its last one
+(a KV block the backward keeps lives to the end of the forward, and in the
+backward from its start).
 :func:`stream_peak` replays exactly that on the buffer table: the most bytes
 of buffers alive at once, which the verifier's per-device sum of every
 buffer (invariant 6) bounds from above. Kernel workspace (a tile's partial
@@ -19,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.program import BBYTES, BROLE, HOME
-from .runner import _last_use, _message_buffers, first_use
+from ..ir.program import BBYTES, BROLE, FWD, HOME, KEPT
+from .runner import _last_use, _message_buffers, first_use, kept_sources
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ def stream_peak(program, phase: int, device: int) -> StreamMemory:
         return StreamMemory(int(nbytes[home].sum()), int(nbytes[home].sum()), int(nbytes.sum()))
     msg = _message_buffers(program, phase, device, code)
     first, last = first_use(code, len(bufs), msg), _last_use(code, len(bufs), msg)
+    if phase == FWD:  # what the backward keeps lives to the end of the forward ...
+        last[kept_sources(program, device)] = len(code) - 1
+    first[bufs[:, BROLE] == KEPT] = 0  # ... and from the start of the backward
     used = ~home & (first >= 0)
     delta = np.zeros(len(code) + 1, np.int64)
     np.add.at(delta, first[used], nbytes[used])

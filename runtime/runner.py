@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from ..errors import PlanError, ShapeError
-from ..ir.program import (A1, ADD, ARG_BUF, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BHG, BK, BROLE, BTB, FWD,
-                          HOME, ISA, KINDS, M_DST, M_END, M_PHASE, M_SRC, M_START, MERGE, OP, OPS, PHASES, RECV, RECVD,
-                          SEND, T_RBUF, T_SBUF, WAIT)
+from ..ir.program import (A1, ADD, ARG_BUF, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BHG, BK, BPEER, BROLE,
+                          BTB, BWD, FWD, HOME, ISA, KEPT, KINDS, M_DST, M_END, M_PHASE, M_SRC, M_START, MERGE, OP, OPS,
+                          PHASES, RECV, RECVD, SEND, T_RBUF, T_SBUF, WAIT)
 from . import kernels, varlen
 
 NEG_INF = float("-inf")
@@ -193,6 +193,27 @@ def home_bindings(graph, program, phase: int, device: int, tensors: dict, row0) 
     return st
 
 
+def kept_sources(program, device: int) -> list[int]:
+    """The forward buffers of ``device`` its backward keeps (``Problem.keep_kv``):
+    the forward runner holds them to its end instead of dropping them."""
+    b = program.buffers[BWD][device]
+    return b[b[:, BROLE] == KEPT, BPEER].tolist()
+
+
+def kept_bindings(program, device: int, kept: dict) -> dict:
+    """Bind ``device``'s kept backward buffers to the tensors its forward runner
+    kept (``kept``: forward buffer -> tensors, :meth:`DeviceRunner.kept`)."""
+    b = program.buffers[BWD][device]
+    out = {}
+    for i in np.flatnonzero(b[:, BROLE] == KEPT).tolist():
+        src = int(b[i, BPEER])
+        if src not in kept:
+            raise PlanError(f"bwd device {device}: buffer %{i} keeps forward buffer %{src}, which the forward did "
+                            f"not keep (run the backward after this plan's forward)")
+        out[i] = kept[src]
+    return out
+
+
 def _message_buffers(program, phase: int, device: int, code: np.ndarray) -> dict:
     """For every message this device's stream sends or receives: the local
     buffers its transfers pack (a send) or unpack into (a receive), in
@@ -303,6 +324,10 @@ class DeviceRunner:
         self.code = code.tolist()
         self.st = dict(home)
         self.home = {int(b) for b in np.flatnonzero(self.bufs[:, BROLE] == HOME)}
+        unbound = [b for b in np.flatnonzero(self.bufs[:, BROLE] == KEPT).tolist() if b not in self.st]
+        if unbound:
+            raise PlanError(f"{PHASES[phase]} device {device}: buffer %{unbound[0]} keeps a KV block of the forward, "
+                            f"which was not handed over (this plan keeps KV: run its backward after its forward)")
         self.transport, self.scale, self.dtype = transport, scale, dtype
         self.wire = wire_dtype(graph.problem, dtype)
         self.compute = compute
@@ -310,9 +335,10 @@ class DeviceRunner:
         self.msg_bufs = _message_buffers(program, phase, device, code)
         check_stream(code, self.bufs, phase, device, program, self.msg_bufs)
         last = _last_use(code, len(self.bufs), self.msg_bufs)
+        self.keep = set(kept_sources(program, device)) if phase == FWD else set()  # held for the backward
         self.free_after: dict[int, list[int]] = {}
         for b in np.flatnonzero(last >= 0).tolist():
-            if b not in self.home:
+            if b not in self.home and b not in self.keep:
                 self.free_after.setdefault(int(last[b]), []).append(b)
         # the torch device of the buffers it allocates: ``where``, else its home tensors'
         self.where = where if where is not None else next((x.device for ts in self.st.values() for x in ts),
@@ -325,6 +351,10 @@ class DeviceRunner:
         self.finite = finite  # the caller checked that every input of the phase is finite (tiles skip the check)
         # home output buffers that hold nothing yet (0, −inf): a tile's first result is written, not merged
         self.fresh = {b for b in self.home if phase == FWD and int(self.bufs[b, BK]) == B_O}
+
+    def kept(self) -> dict:
+        """After a forward stream: the buffers its backward keeps (forward buffer -> tensors)."""
+        return {b: self.st[b] for b in self.keep if b in self.st}
 
     # buffers -----------------------------------------------------------------
     def specs(self, b: int) -> tuple:

@@ -397,18 +397,19 @@ def test_the_segment_strategies_expose_their_segments():
 @given(lens=st.lists(st.integers(1, 2000), min_size=1, max_size=12), devices=st.sampled_from([1, 2, 4, 8]),
        mask=st.sampled_from(["causal", "full", "sliding_window(100)", "causal & k > 3", PER_HEAD, PER_HEAD_GQA]),
        dtype=st.sampled_from(["bfloat16", "float32"]), profile=st.sampled_from(["h100", "cpu-local"]),
-       two_nodes=st.booleans())
-def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype, profile, two_nodes):
+       two_nodes=st.booleans(), keep=st.booleans())
+def test_segment_bound_is_below_the_estimate(lens, devices, mask, dtype, profile, two_nodes, keep):
     """The preview from the segments alone never exceeds the estimate of the
     placement those segments make (so pruning on it keeps the exhaustive
-    choice) — varlen groups, the KV and partial-dKV traffic terms, fused and
-    unfused launches, one node and two."""
+    choice) — varlen groups, the KV and partial-dKV traffic terms (the
+    backward's KV left out under keep_kv), fused and unfused launches, one
+    node and two."""
     prof = get_profile(profile)
     nodes = 2 if two_nodes and devices > 1 else 1
     for name in SEGMENT_STRATEGIES:
         try:
             plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, nodes=nodes, block_size=256,
-                                    strategy=name, dtype=dtype, **SHAPE)
+                                    strategy=name, dtype=dtype, keep_kv=keep, **SHAPE)
         except attnplan.PlanError:
             continue
         head = auto._split(parse_pipeline(default_pipeline(name, 256)))[0]

@@ -42,13 +42,13 @@ def pipeline(name: str, comm: str, overlap: bool, divide: bool, run: float = 3e1
        mask=st.sampled_from(["causal", "full", "sliding_window(100)", "(h < 2 & full) | (h >= 2 & causal)"]),
        name=st.sampled_from([n for n in attnplan.strategies() if n != "ulysses"]),
        comm=st.sampled_from(COMMS), overlap=st.booleans(), divide=st.booleans(), fused=st.booleans(),
-       profile=st.sampled_from(["h100", "cpu-local"]), run=st.sampled_from(RUNS))
+       profile=st.sampled_from(["h100", "cpu-local"]), run=st.sampled_from(RUNS), keep=st.booleans())
 def test_the_schedule_bound_is_below_the_simulated_makespan(lens, devices, mask, name, comm, overlap, divide, fused,
-                                                            profile, run):
+                                                            profile, run, keep):
     prof = dataclasses.replace(get_profile(profile), fused=fused)
     try:
         plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, nodes=2 if devices >= 4 else 1,
-                                pipeline=pipeline(name, comm, overlap, divide, run), **SHAPE)
+                                pipeline=pipeline(name, comm, overlap, divide, run), keep_kv=keep, **SHAPE)
     except attnplan.PlanError:
         return  # a pipeline this placement cannot take (e.g. divide after a ring strategy)
     fwd, bwd = schedule_bound(plan.ir, prof)

@@ -134,6 +134,18 @@ def test_partials_in_bf16_run_on_processes():
     assert [b for r in res for b in r["bad"]] == []
 
 
+def test_kept_kv_runs_on_processes():
+    """``keep_kv``: the backward computes with the KV each rank received in the
+    forward (no KV travels in the backward) on 4 gloo ranks of 2 nodes, p2p,
+    node relays and reduces, the ring and an all-to-all; bit for bit the
+    in-process executor, with order-only matching."""
+    res = ok(run_local(f"{CASES}:equals_in_process", 4,
+                       ([1, 3], ["per_doc", "hypergraph", "span:ring", "zigzag:relay", "ulysses:a2a"], "order",
+                        {"keep_kv": True, "nodes": 2}), timeout=240))
+    assert all(r["ran"] == 10 for r in res)
+    assert [b for r in res for b in r["bad"]] == []
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a2a_runs_as_all_to_all_collectives(world):
     """``comm{mode=a2a}``: every rank runs each phase's data and partials as

@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import attnplan
-from attnplan.ir.program import Program
+from attnplan.ir.program import B_KV, BWD, T_KIND, T_PHASE, Program
 from attnplan.runtime.check import TOLERANCE, random_inputs, reference
 from attnplan.runtime.reference import dense_allowed
 
@@ -144,6 +144,18 @@ def test_execute_equals_dense_with_partials_in_bf16(case):
     attention within bf16's tolerance."""
     case["partials_dtype"] = "bfloat16"
     check(case, "bfloat16")
+
+
+@settings(max_examples=60)
+@given(cases(max_tokens=96))
+def test_execute_equals_dense_with_kept_kv(case):
+    """The backward computes with the KV each device received in the
+    forward (``keep_kv``), every strategy and schedule: equal to dense
+    attention, and no KV travels in the backward."""
+    case["keep_kv"] = True
+    plan, _, _ = check(case, "float32")
+    X = plan.ir.program.transfers
+    assert not ((X[:, T_PHASE] == BWD) & (X[:, T_KIND] == B_KV)).any()
 
 
 def test_deterministic_bitwise():

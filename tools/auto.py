@@ -270,8 +270,9 @@ def _estimate(g, home: np.ndarray, n: int, per_node: int, prof, compute: np.ndar
     o_grp, dkv_grp = PARTIAL - (o_hop == HOP_CROSS), PARTIAL - (dkv_hop == HOP_CROSS)
     comm_f, bytes_f = _queues(n, per_node, prof, [part(q, FWD, B_Q, q_hop), part(kv, FWD, B_KV, hop),
                                                    part(o, FWD, B_O, o_grp)])
-    comm_b, bytes_b = _queues(n, per_node, prof, [part(q, BWD, B_Q, q_hop), part(kv, BWD, B_KV, hop),
-                                                   part(o, BWD, B_DQ, o_grp), part(dkv, BWD, B_DKV, dkv_grp)])
+    data_b = [part(q, BWD, B_Q, q_hop)] + ([] if g.problem.keep_kv else [part(kv, BWD, B_KV, hop)])  # keep_kv: the
+    #                                                              backward computes with the forward's KV copies
+    comm_b, bytes_b = _queues(n, per_node, prof, data_b + [part(o, BWD, B_DQ, o_grp), part(dkv, BWD, B_DKV, dkv_grp)])
     merge_f, merge_b = _merges(g, n, prof, o, dkv)
     comp_f, comp_b = compute + merge_f, compute * prof.bwd_factor + merge_b
     gathered = int((o_hop == HOP_GATHER).sum() + (dkv_hop == HOP_GATHER).sum())
@@ -321,7 +322,8 @@ def problem_ir(kwargs: dict) -> PlanIR:
     pieces, ptr, classes = lower_heads(prog, lens.tolist(), segments, q_lens, kwargs["heads"])
     problem = Problem(seqlens=lens, heads=kwargs["heads"], kv_heads=kwargs["kv_heads"], head_dim=kwargs["head_dim"],
                       pieces=pieces, mask=prog.source, segments=segments, dtype=kwargs["dtype"], q_lens=q_lens,
-                      head_class=classes, class_ptr=ptr, partials_dtype=kwargs.get("partials_dtype", "float32"))
+                      head_class=classes, class_ptr=ptr, partials_dtype=kwargs.get("partials_dtype", "float32"),
+                      keep_kv=kwargs.get("keep_kv", False))
     return PlanIR(problem, kwargs["devices"], kwargs["nodes"], kwargs["memory_cap"])
 
 

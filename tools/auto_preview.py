@@ -89,8 +89,9 @@ def segment_bound(tiled: PlanIR, starts: np.ndarray, devices: np.ndarray, prof,
     if not n:
         return 0.0
     recv, send_b, node, node_out = kv_bound(tiled, cuts, dev, rows, qb, prof)
-    bwd = np.maximum(np.maximum(fwd * prof.bwd_factor, recv), send_b)
-    return float(max(np.maximum(fwd, recv).max(), node) + max(bwd.max(), node, node_out))
+    again = 0.0 if p.keep_kv else 1.0  # keep_kv: the backward receives no KV
+    bwd = np.maximum(np.maximum(fwd * prof.bwd_factor, recv * again), send_b)
+    return float(max(np.maximum(fwd, recv).max(), node) + max(bwd.max(), node * again, node_out))
 
 
 def sampled_pieces(p, docs: np.ndarray, cut_from: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,7 +138,8 @@ def kv_bound(tiled: PlanIR, cuts: np.ndarray, dev: np.ndarray, rows: np.ndarray,
     block ``qb``) cannot avoid. A tightened piece needs every key of
     ``[K0, K1)``, so a device receives at least the keys its pieces reach
     that live elsewhere (in whole blocks: at least those tokens), in each
-    phase, each at no more than the faster link's bandwidth; in the backward
+    phase (the forward only under ``keep_kv``: :func:`segment_bound` drops
+    them from the backward), each at no more than the faster link's bandwidth; in the backward
     it sends each of those keys' partial dK/dV out (fp32, home or to its
     node's aggregator under a node reduce: at the faster link's bandwidth
     too); the keys a node's devices reach on other nodes cross into it over

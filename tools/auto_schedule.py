@@ -138,18 +138,20 @@ class _Shape:
     #                         none); with overlap a relay forwards right after it (emit)
 
 
-def _shape(ir: PlanIR) -> _Shape:
+def _shape(ir: PlanIR, kinds: tuple = (X_Q, X_KV)) -> _Shape:
+    """``kinds``: the data kinds that travel (the backward under ``keep_kv``:
+    Q only, every KV block a device reads is the forward's copy)."""
     g, pl, s = ir.need_graph(), ir.need_placement(), ir.need_schedule()
     n = pl.devices
     order = compute_order(g, pl, s)
     dev = pl.cb_device[order]
     first = np.searchsorted(dev, np.arange(n))
     starts = np.unique(first[first < len(dev)])
-    x = s.xfer[s.xfer[:, XK] != X_O]
+    x = s.xfer[np.isin(s.xfer[:, XK], kinds)]
     keys, msg = np.unique((x[:, XSTAGE] * n + x[:, XSRC]) * n + x[:, XDST], return_inverse=True)
     msg = msg.ravel()
     received = _received(g, n, x)
-    need = _first_need(g, pl, received, msg, order, len(keys))
+    need = _first_need(g, pl, received, msg, order, len(keys), kinds)
     pos = np.empty(len(order), np.int64)
     pos[order] = np.arange(len(order))
     o = s.xfer[s.xfer[:, XK] == X_O][:, [XTB, XHG, XSRC, XDST]]
@@ -226,7 +228,8 @@ def _received(g, n: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return key[srt], srt
 
 
-def _first_need(g, pl, received, msg: np.ndarray, order: np.ndarray, n_msg: int) -> np.ndarray | None:
+def _first_need(g, pl, received, msg: np.ndarray, order: np.ndarray, n_msg: int,
+                kinds: tuple = (X_Q, X_KV)) -> np.ndarray | None:
     """Per data message: the program position (in ``order``) of the first
     block that reads it, ``len(order)`` if none; None where a device would
     receive one block twice (then which copy a block reads is not known)."""
@@ -236,6 +239,8 @@ def _first_need(g, pl, received, msg: np.ndarray, order: np.ndarray, n_msg: int)
     first = np.full(n_msg, len(order), np.int64)
     dev, hg = pl.cb_device[order], g.cb_hg[order]
     for kind, tb in ((X_Q, g.cb_q[order]), (X_KV, g.cb_k[order])):
+        if kind not in kinds:
+            continue
         rem = np.flatnonzero(pl.home[tb] != dev)
         if not len(rem):
             continue
@@ -418,9 +423,10 @@ def schedule_bound(ir: PlanIR, prof) -> tuple[float, float]:
     rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
     fwd = cb_seconds(g, prof, launch=not prof.fused) / rate
     sh = _shape(ir)
+    sh_b = _shape(ir, (X_Q,)) if g.problem.keep_kv else sh
     launch = prof.launch_s / rate if prof.fused else 0.0  # fused: a launch per run of blocks, else in ``fwd``
     return (_phase_bound(ir, prof, FWD, sh, fwd, launch),
-            _phase_bound(ir, prof, BWD, sh, fwd * prof.bwd_factor, launch * prof.bwd_factor))
+            _phase_bound(ir, prof, BWD, sh_b, fwd * prof.bwd_factor, launch * prof.bwd_factor))
 
 
 def _run_starts(ir: PlanIR, sh: _Shape, phase: int) -> np.ndarray:

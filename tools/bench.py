@@ -80,7 +80,8 @@ def load_batches(path: str, names: list[str] | None = None) -> list[dict]:
 
 
 def run_bench(batches, masks, devices, strategies, *, heads=8, kv_heads=2, head_dim=128, block_size=2048,
-              profile="h100", show_progress=True, dtype="bfloat16", partials_dtype="float32") -> list[dict]:
+              profile="h100", show_progress=True, dtype="bfloat16", partials_dtype="float32",
+              keep_kv=False) -> list[dict]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     rows = []
     jobs = [(b, m, n) for b in batches for m in masks for n in devices]
@@ -92,7 +93,7 @@ def run_bench(batches, masks, devices, strategies, *, heads=8, kv_heads=2, head_
             got, _ = compare(strategies, progress=lambda _: bar.advance(task), seqlens=b["seqlens"],
                              segments=b["segments"], mask=mask, devices=n, nodes=max(1, n // 8), heads=heads,
                              kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, profile=profile,
-                             dtype=dtype, partials_dtype=partials_dtype)
+                             dtype=dtype, partials_dtype=partials_dtype, keep_kv=keep_kv)
             for r in got:
                 rows.append({"batch": b["name"], "mask": mask, "devices": n, "tokens": sum(b["seqlens"]), **r})
     return rows

@@ -145,7 +145,7 @@ def _sample_segments(i: int, seg, n: int) -> tuple:
 
 
 def check_options(*, devices=1, nodes=1, heads=8, kv_heads=None, head_dim=64, block_size=2048, memory_cap=None,
-                  dtype="bfloat16", profile="h100", partials_dtype="float32") -> dict:
+                  dtype="bfloat16", profile="h100", partials_dtype="float32", keep_kv=False) -> dict:
     """The shape options of :func:`compile`, checked against ir/limits.py and
     normalized to Python values (PlanError naming the option otherwise). The
     CLI's compare and bench call it once before compiling anything."""
@@ -163,7 +163,11 @@ def check_options(*, devices=1, nodes=1, heads=8, kv_heads=None, head_dim=64, bl
         "dtype": _text("dtype", dtype),
         "profile": _text("profile", profile),
         "partials_dtype": _text("partials_dtype", partials_dtype),
+        "keep_kv": keep_kv,
     }
+    if not isinstance(keep_kv, (bool, np.bool_)):
+        raise PlanError(f"keep_kv must be True or False, got {_show(keep_kv)}")
+    opts["keep_kv"] = bool(keep_kv)
     if opts["devices"] % opts["nodes"]:
         raise PlanError(f"devices ({opts['devices']}) must be a multiple of nodes ({opts['nodes']})")
     if opts["dtype"] not in DTYPE_BYTES:
@@ -200,7 +204,7 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
             pipeline: str | None = None, segments=None, dtype: str = "bfloat16", memory_cap: int | None = None,
             verify: bool = True, profile: str = "h100", instruments=(),
             max_compute_blocks: int | None = None, seqlens_q=None, seqlens_k=None,
-            partials_dtype: str = "float32") -> Plan:
+            partials_dtype: str = "float32", keep_kv: bool = False) -> Plan:
     """Compile one batch into a verified plan.
 
     ``seqlens`` is a list, tuple or 1-D numpy integer array of sample lengths
@@ -221,7 +225,9 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     and keys of those lengths. ``partials_dtype``: the dtype partial
     outputs travel in between devices, ``"float32"`` or ``dtype`` (half the
     backward's partial dK/dV bytes; each partial rounded once; see
-    :class:`attnplan.ir.problem.Problem`). Every argument is checked before any work, sizes against
+    :class:`attnplan.ir.problem.Problem`). ``keep_kv``: the backward reuses
+    the K/V each device received in the forward (no KV moves in the
+    backward; each device holds what it received until then). Every argument is checked before any work, sizes against
     ``attnplan/ir/limits.py``: a wrong type or value raises ``BatchError``
     (batch) or ``PlanError`` (anything else) naming it."""
     t0 = time.perf_counter()
@@ -229,7 +235,7 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     segments = _segments(segments, lens)
     opts = check_options(devices=devices, nodes=nodes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                          block_size=block_size, memory_cap=memory_cap, dtype=dtype, profile=profile,
-                         partials_dtype=partials_dtype)
+                         partials_dtype=partials_dtype, keep_kv=keep_kv)
     strategy, pipeline, verify, instruments, max_blocks = _check_flags(strategy, pipeline, verify, instruments,
                                                                        max_compute_blocks)
     prog = _mask_program(mask)
@@ -248,7 +254,8 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     pieces, ptr, classes = lower_heads(prog, lens.tolist(), segments, q_lens, opts["heads"])
     problem = Problem(seqlens=lens, heads=opts["heads"], kv_heads=opts["kv_heads"], head_dim=opts["head_dim"],
                       pieces=pieces, mask=prog.source, segments=segments, dtype=opts["dtype"], q_lens=q_lens,
-                      head_class=classes, class_ptr=ptr, partials_dtype=opts["partials_dtype"])
+                      head_class=classes, class_ptr=ptr, partials_dtype=opts["partials_dtype"],
+                      keep_kv=opts["keep_kv"])
     ir = run_pipeline(PlanIR(problem, opts["devices"], opts["nodes"], opts["memory_cap"]), passes,
                       verify_each=verify, instruments=instruments, max_compute_blocks=max_blocks)
     if ir.program is None:
