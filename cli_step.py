@@ -65,6 +65,15 @@ def _problem_args(p) -> None:
     p.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
     p.add_argument("--recompute", default="full", choices=["full", "none"], help="activation recompute")
     p.add_argument("--memory", type=_gib, default=None, help="GiB per device (default: the profile's)")
+    _attention_args(p)
+
+
+def _attention_args(p) -> None:
+    p.add_argument("--partials-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype the attention plans' partial outputs travel in: float32 (default) or bfloat16")
+    p.add_argument("--keep-kv", action="store_true",
+                   help="the attention backward reuses the K/V each device received in the forward (no KV moves "
+                        "in the backward; without recompute each layer holds it until its backward)")
 
 
 def add_step_parser(sub) -> None:
@@ -94,6 +103,7 @@ def add_step_parser(sub) -> None:
     bn.add_argument("--profile", default="h100", help="cost profile: h100, h200, a100, cpu-local, or FILE.json")
     bn.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
     bn.add_argument("--recompute", default="full", choices=["full", "none"], help="activation recompute")
+    _attention_args(bn)
     bn.add_argument("--pp", type=_int_in(1, 64), default=1, help="pipeline stages (each 4 nodes x 8 devices)")
     bn.add_argument("--vp", type=_int_in(1, 64), default=1, help="model chunks per stage (interleaved 1F1B)")
     bn.add_argument("--out", default="out/step_bench", help="folder for step_bench.json, summary.txt and PNG "
@@ -162,7 +172,7 @@ def _problem(args):
             raise StepError("plan step does not take segments yet: give a batch of plain documents")
         lens = b.seqlens
     return make_problem(lens, model=args.model, mesh=mesh, profile=args.profile, mask=args.mask,
-                        block_size=args.block_size)
+                        block_size=args.block_size, partials_dtype=args.partials_dtype, keep_kv=args.keep_kv)
 
 
 def _cmd_compare(args) -> int:
@@ -250,7 +260,8 @@ def _cmd_bench(args) -> int:
     with _c_stdout_to_stderr():        # the progress bar goes to stderr too
         res = step_bench(path, args.systems, args.out, names=names, model=args.model, profile=args.profile,
                          recompute=args.recompute, block_size=args.block_size,
-                         show_progress=shows_progress(args.no_progress), pp=args.pp, vp=args.vp)
+                         show_progress=shows_progress(args.no_progress), pp=args.pp, vp=args.vp,
+                         partials_dtype=args.partials_dtype, keep_kv=args.keep_kv)
     if args.json:
         print(json.dumps({k: res[k] for k in ("rows", "summary")}, indent=1, default=float))
         return 0

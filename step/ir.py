@@ -59,8 +59,10 @@ class StepProblem:
     was drawn at. ``pairs[i]``: allowed (q, k) pairs of document ``i`` under
     ``mask`` (exact, from the mask pieces). ``packing``: optional packed-sequence
     id of every document (a fixed packing, for systems that never repack).
-    ``cache`` memoizes lowered attention plans (keyed by their full inputs;
-    never part of a result)."""
+    ``partials_dtype`` and ``keep_kv``: the attention plans' options
+    (:class:`attnplan.ir.problem.Problem`: partial outputs on the wire in
+    bf16; the backward computes with the forward's KV). ``cache`` memoizes
+    lowered attention plans (keyed by their full inputs; never part of a result)."""
 
     seqlens: np.ndarray
     origin: np.ndarray
@@ -73,6 +75,8 @@ class StepProblem:
     carried: int = 0
     step: int = 0
     packing: np.ndarray | None = None
+    partials_dtype: str = "float32"
+    keep_kv: bool = False
     cache: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):

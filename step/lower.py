@@ -27,7 +27,7 @@ from ..ir.limits import MAX_SAMPLES, MAX_TOKENS
 from ..ir.mask import HI, INF, K0, K1, LO, Q0, Q1, Pieces
 from ..ir.module import PlanIR
 from ..ir.problem import Problem
-from ..ir.program import BBYTES, BWD, FWD
+from ..ir.program import BBYTES, BROLE, BWD, FWD, KEPT
 from ..passes import parse_pipeline, run_pipeline, strategies
 from ..passes.default import default_pipeline
 from .ir import StepPlan, StepProblem
@@ -55,6 +55,7 @@ class Lowered:
     bwd_busy: np.ndarray
     buffers: np.ndarray
     plan_pairs: int
+    kept: np.ndarray  # per device: bytes of KV its backward keeps from its forward (Problem.keep_kv), per layer
 
     @property
     def predicted_s(self) -> float:
@@ -64,8 +65,10 @@ class Lowered:
 class AttentionCache:
     """Memo of lowered micro-batches (a pure function of the key; see the module doc)."""
 
-    def __init__(self, mask: MaskProgram, profile: Profile, block_size: int):
+    def __init__(self, mask: MaskProgram, profile: Profile, block_size: int, partials_dtype: str = "float32",
+                 keep_kv: bool = False):
         self.mask, self.profile, self.block_size = mask, profile, block_size
+        self.partials_dtype, self.keep_kv = partials_dtype, keep_kv  # every attention problem's options
         self._plans: dict[tuple, Lowered] = {}
         self._failed: dict[tuple, PlanError] = {}
         self._placed: dict[tuple, PlanIR] = {}
@@ -103,10 +106,11 @@ class AttentionCache:
             raise StepError(f"unknown attention strategy {strategy!r}; known: {', '.join(strategies())}")
         h, hkv, d = heads
         if prefix:
-            problem = chunk_problem(self.mask, prefix, lens, heads)
+            problem = chunk_problem(self.mask, prefix, lens, heads, self.partials_dtype, self.keep_kv)
         else:
             problem = Problem(seqlens=np.asarray(lens, np.int64), heads=h, kv_heads=hkv, head_dim=d,
-                              pieces=lower_batch(self.mask, list(lens)), mask=self.mask.source)
+                              pieces=lower_batch(self.mask, list(lens)), mask=self.mask.source,
+                              partials_dtype=self.partials_dtype, keep_kv=self.keep_kv)
         passes = parse_pipeline(pipeline_text(strategy, self.block_size))[:2]
         try:
             ir = self._placed[key] = run_pipeline(PlanIR(problem, devices, nodes), passes)
@@ -125,9 +129,10 @@ class AttentionCache:
         tokens = query_tokens(ir, devices)
         buffers = np.array([max(int(prog.buffers[FWD][i][:, BBYTES].sum()), int(prog.buffers[BWD][i][:, BBYTES].sum()))
                             for i in range(devices)], dtype=np.int64)
+        kept = np.array([int(b[b[:, BROLE] == KEPT, BBYTES].sum()) for b in prog.buffers[BWD]], dtype=np.int64)
         return Lowered(ir, strategy, tokens, np.asarray(sim["fwd"]["finish_s"]), np.asarray(sim["bwd"]["finish_s"]),
                        np.asarray(sim["fwd"]["compute_s"]), np.asarray(sim["bwd"]["compute_s"]), buffers,
-                       int(g.cb_pairs.sum()))
+                       int(g.cb_pairs.sum()), kept)
 
     def bound(self, lens, devices, nodes, strategy, heads, prefix: int = 0) -> float:
         """A lower bound of ``strategy``'s predicted attention time, from its placement alone: the busiest
@@ -215,7 +220,8 @@ def chunk_pieces(mask: MaskProgram, prefix: int, rows: int) -> Pieces:
     return Pieces.of(a)
 
 
-def chunk_problem(mask: MaskProgram, prefix: int, lens: tuple[int, ...], heads: tuple[int, int, int]) -> Problem:
+def chunk_problem(mask: MaskProgram, prefix: int, lens: tuple[int, ...], heads: tuple[int, int, int],
+                  partials_dtype: str = "float32", keep_kv: bool = False) -> Problem:
     """A later chunk's attention problem: one cross-attention sample, its ``lens[0]`` rows × the document's
     ``prefix + lens[0]`` keys (:func:`chunk_pieces`); the keys of earlier chunks come from their KV."""
     if len(lens) != 1:
@@ -223,7 +229,8 @@ def chunk_problem(mask: MaskProgram, prefix: int, lens: tuple[int, ...], heads: 
     rows = int(lens[0])
     h, hkv, d = heads
     return Problem(seqlens=np.array([2 * rows + prefix], np.int64), heads=h, kv_heads=hkv, head_dim=d,
-                   pieces=chunk_pieces(mask, prefix, rows), mask=mask.source, q_lens=np.array([rows], np.int64))
+                   pieces=chunk_pieces(mask, prefix, rows), mask=mask.source, q_lens=np.array([rows], np.int64),
+                   partials_dtype=partials_dtype, keep_kv=keep_kv)
 
 
 def query_tokens(ir: PlanIR, devices: int) -> np.ndarray:
@@ -269,13 +276,14 @@ def doc_pairs(mask: MaskProgram, seqlens: np.ndarray) -> np.ndarray:
 
 
 def make_problem(seqlens, model="llama3-8b", mesh: Mesh | None = None, profile="h100", mask="causal",
-                 block_size: int = 2048, carried=(), carried_origin=None, step: int = 0, packing=None
-                 ) -> StepProblem:
+                 block_size: int = 2048, carried=(), carried_origin=None, step: int = 0, packing=None,
+                 partials_dtype: str = "float32", keep_kv: bool = False) -> StepProblem:
     """A checked :class:`StepProblem`: this step's document lengths after the
     ``carried`` ones (lengths queued by earlier steps, with their
     ``carried_origin`` rows ``(step, index)``), every size against
     ir/limits.py. A step may bring no new documents when it has carried
-    ones (the end of the data, where a queue drains). BatchError for bad lengths, StepError for the rest."""
+    ones (the end of the data, where a queue drains). ``partials_dtype``, ``keep_kv``: every attention
+    plan's (:class:`StepProblem`). BatchError for bad lengths, StepError for the rest."""
     if mesh is None:
         raise StepError("a step needs a mesh, e.g. Mesh(dp=4, cp=8)")
     if not isinstance(mesh, Mesh):
@@ -289,6 +297,11 @@ def make_problem(seqlens, model="llama3-8b", mesh: Mesh | None = None, profile="
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
             or not 1 <= block_size <= MAX_TOKENS:
         raise StepError(f"block_size must be an integer in 1..{MAX_TOKENS:,}, got {block_size!r:.40}")
+    try:  # the attention options, checked as every attention problem checks them
+        opts = Problem(seqlens=np.ones(1, np.int64), heads=1, kv_heads=1, head_dim=1, pieces=lower_batch(prog, [1]),
+                       partials_dtype=partials_dtype, keep_kv=keep_kv)
+    except PlanError as e:
+        raise StepError(str(e)) from None
     old = _lengths(carried, "carried", allow_empty=True)
     new = _lengths(seqlens, "seqlens", allow_empty=len(old) > 0)  # only carried documents: the queue drains
     lens = np.concatenate([old, new])
@@ -309,7 +322,8 @@ def make_problem(seqlens, model="llama3-8b", mesh: Mesh | None = None, profile="
         packing = packing.astype(np.int64)
     return StepProblem(seqlens=lens, origin=origin, pairs=doc_pairs(prog, lens), model=mdl, mesh=mesh, profile=prof,
                        mask=prog.source, block_size=int(block_size), carried=len(old), step=int(step),
-                       packing=packing, cache=AttentionCache(prog, prof, int(block_size)))
+                       packing=packing, partials_dtype=opts.partials_dtype, keep_kv=opts.keep_kv,
+                       cache=AttentionCache(prog, prof, int(block_size), opts.partials_dtype, opts.keep_kv))
 
 
 def _lengths(v, name: str, allow_empty: bool = False) -> np.ndarray:
@@ -374,7 +388,7 @@ def fits_alone(problem: StepProblem):
     base = static_bytes(problem.model, problem.mesh.stage_devices) + problem.mesh.reserve
 
     def fits(low: Lowered) -> bool:
-        act = activation_bytes(problem.model, low.tokens, problem.mesh.recompute, low.buffers)
+        act = activation_bytes(problem.model, low.tokens, problem.mesh.recompute, low.buffers, low.kept)
         return bool((np.asarray(act, np.int64) + base <= problem.cap).all())
     return fits
 

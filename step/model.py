@@ -166,16 +166,20 @@ def logits_bytes(m: Model) -> int:
     return LOGIT_BYTES * m.vocab
 
 
-def activation_bytes(m: Model, tokens, recompute: str, attn_buffers=0):
+def activation_bytes(m: Model, tokens, recompute: str, attn_buffers=0, kept=0):
     """Peak activation bytes of a device holding ``tokens`` tokens of one
     micro-batch (numpy arrays broadcast): with full recompute, every layer's
     input plus the larger of the logits and one layer's full set with the
-    attention plan's buffers; without, every layer's full set plus the larger
-    of the logits and the attention buffers."""
+    attention plan's buffers; without, every layer's full set and the KV its
+    attention keeps for its backward (``kept``, ``Problem.keep_kv``: under
+    full recompute a layer's kept KV lives from its recomputed forward to its
+    backward, inside the buffers) plus the larger of the logits and the
+    attention buffers."""
     if recompute == "full":
         return tokens * (m.layers * checkpoint_bytes(m)) + np.maximum(tokens * logits_bytes(m),
                                                                     tokens * layer_activation_bytes(m) + attn_buffers)
-    return tokens * (m.layers * layer_activation_bytes(m)) + np.maximum(tokens * logits_bytes(m), attn_buffers)
+    return tokens * (m.layers * layer_activation_bytes(m)) + m.layers * kept + np.maximum(tokens * logits_bytes(m),
+                                                                                          attn_buffers)
 
 
 def activation_per_token(m: Model, recompute: str) -> int:

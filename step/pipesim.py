@@ -209,6 +209,9 @@ def stage_memory(plan: StepPlan, sch: Schedule, parts: list[dict], lowered: list
                 ranks, tok = parts[m]["ranks"], parts[m]["tokens"].astype(np.float64)
                 held = tok * layers[c] * ((0 if sch.recompute[u] else keep_tok) + (2 * kv_bytes(model)
                                                                                    if carries[m] else 0))
+                if mesh.recompute != "full" and not sch.recompute[u]:  # the KV its attention keeps for its
+                    #                                                      backward (Problem.keep_kv)
+                    held = held + layers[c] * lowered[m].kept.astype(np.float64)
                 trans = np.maximum(tok * logits_bytes(model) if last else 0.0,
                                    tok * full_tok + lowered[m].buffers if mesh.recompute == "full"
                                    else lowered[m].buffers.astype(np.float64))

@@ -126,7 +126,7 @@ def memory(plan: StepPlan, lowered: list[Lowered]) -> tuple[np.ndarray, np.ndarr
     which = np.full(n, -1, np.int64)
     for m, low in enumerate(lowered):
         ranks = plan.mb_ranks(m)
-        act = activation_bytes(p.model, low.tokens, p.mesh.recompute, low.buffers).astype(np.int64)
+        act = activation_bytes(p.model, low.tokens, p.mesh.recompute, low.buffers, low.kept).astype(np.int64)
         better = act > peak[ranks]
         peak[ranks[better]] = act[better]
         which[ranks[better]] = m

@@ -91,7 +91,9 @@ def to_body(c: CompiledStep) -> dict:
                     "model": p.model.to_dict(), "mesh": mesh,
                     "profile": p.profile.name if p.profile.name in PROFILES else None,
                     "mask": cache_of(p).mask.source, "block_size": p.block_size,
-                    "packing": None if p.packing is None else _arr(p.packing)},
+                    "packing": None if p.packing is None else _arr(p.packing),
+                    **({"partials_dtype": p.partials_dtype} if p.partials_dtype != "float32" else {}),  # absent:
+                    **({"keep_kv": True} if p.keep_kv else {})},  # the defaults
         "plan": {"system": plan.system, **{k: _arr(getattr(plan, k)) for k in PLAN_COLUMNS},
                  "mb_strategy": list(plan.mb_strategy), "info": [[str(k), v] for k, v in plan.info],
                  "chunk_keep": plan.chunk_keep},
@@ -207,9 +209,14 @@ def from_body(body: dict, source: str) -> LoadedStep:
             raise _fail(source, f"problem.profile {str(prof)[:40]!r} is not a builtin profile")
         mask = parse_mask(_get(pb, "mask", str, "problem", source))
         packing = None if pb.get("packing") is None else _array(pb, "packing", "problem", source)
+        keep_kv = pb.get("keep_kv", False)
+        if keep_kv is not True and keep_kv is not False:
+            raise _fail(source, "malformed step file: problem.keep_kv must be a boolean")
         problem = make_problem(lens[carried:], model=model, mesh=mesh, profile=prof or "h100", mask=mask,
                                block_size=_get(pb, "block_size", int, "problem", source), carried=lens[:carried],
-                               carried_origin=origin[:carried], step=step, packing=packing)
+                               carried_origin=origin[:carried], step=step, packing=packing,
+                               partials_dtype=_get(pb, "partials_dtype", str, "problem", source)
+                               if "partials_dtype" in pb else "float32", keep_kv=keep_kv)
         if not np.array_equal(problem.origin, origin):
             raise _fail(source, "malformed step file: problem.origin does not match the step's documents")
         strategies = _get(qb, "mb_strategy", list, "plan", source)

@@ -209,7 +209,8 @@ def _concurrency(plan: StepPlan) -> None:
 
 def verify_attention(plan: StepPlan, irs) -> None:
     """Every micro-batch's attention plan (a verified ``PlanIR``) is on as many devices as its group and
-    computes exactly its fragments: the same sample lengths, the documents' allowed pairs × heads."""
+    computes exactly its fragments: the same sample lengths, the documents' allowed pairs × heads, with
+    the step's attention options."""
     p = plan.problem
     if len(irs) != plan.n_mb:
         raise _fail(plan, f"{len(irs)} attention plans for {plan.n_mb} micro-batches")
@@ -228,6 +229,10 @@ def verify_attention(plan: StepPlan, irs) -> None:
         if (ir.problem.heads, ir.problem.kv_heads, ir.problem.head_dim) != (p.model.heads, p.model.kv_heads,
                                                                             p.model.head_dim):
             raise _fail(plan, f"micro-batch {m}: its attention plan's heads are not the model's")
+        if (ir.problem.partials_dtype, ir.problem.keep_kv) != (p.partials_dtype, p.keep_kv):
+            raise _fail(plan, f"micro-batch {m}: its attention plan has partials_dtype "
+                              f"{ir.problem.partials_dtype} and keep_kv {ir.problem.keep_kv}, the step "
+                              f"{p.partials_dtype} and {p.keep_kv}")
         got = int(ir.need_graph().cb_pairs.sum())
         want = int(fp[ptr[m]:ptr[m + 1]].sum()) * p.model.heads
         if got != want:

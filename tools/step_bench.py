@@ -44,7 +44,8 @@ def budget_of(batch: dict) -> int:
 
 
 def run_suite(batches: list[dict], names: list[str], model="llama3-8b", profile="h100", recompute="full",
-              block_size: int = 2048, progress=None, log=None, pp: int = 1, vp: int = 1) -> list[dict]:
+              block_size: int = 2048, progress=None, log=None, pp: int = 1, vp: int = 1,
+              partials_dtype: str = "float32", keep_kv: bool = False) -> list[dict]:
     """Every system of ``names`` on every batch (the rows; see the module doc). ``progress(batch, system)``
     is called after each (batch, system) pair, ``log(line)`` after each batch."""
     rows = []
@@ -55,7 +56,8 @@ def run_suite(batches: list[dict], names: list[str], model="llama3-8b", profile=
         mesh = mesh_for(budget, recompute, pp, vp)
         got = []
         for name in names:
-            problem = make_problem(b["seqlens"], model=model, mesh=mesh, profile=profile, block_size=block_size)
+            problem = make_problem(b["seqlens"], model=model, mesh=mesh, profile=profile, block_size=block_size,
+                                   partials_dtype=partials_dtype, keep_kv=keep_kv)
             got += compare_systems(problem, [name])[0]
             if progress is not None:
                 progress(b["name"], name)
@@ -201,7 +203,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def step_bench(batches_path: str, systems="all", out_dir="out/step_bench", names=None, model="llama3-8b",
                profile="h100", recompute="full", block_size: int = 2048, show_progress: bool = True,
-               log=None, pp: int = 1, vp: int = 1) -> dict:
+               log=None, pp: int = 1, vp: int = 1, partials_dtype: str = "float32", keep_kv: bool = False) -> dict:
     """Run the suite (:func:`run_suite`), write ``step_bench.json``, ``summary.txt`` and the plots into
     ``out_dir``; the rows, the summary and the files written."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -220,7 +222,8 @@ def step_bench(batches_path: str, systems="all", out_dir="out/step_bench", names
         def advance(batch, system):
             bar.update(task, advance=1, description=f"{batch} {system}")
         rows = run_suite(batches, sys_names, model=model, profile=profile, recompute=recompute,
-                         block_size=block_size, progress=advance, log=log, pp=pp, vp=vp)
+                         block_size=block_size, progress=advance, log=log, pp=pp, vp=vp,
+                         partials_dtype=partials_dtype, keep_kv=keep_kv)
     lines, res = summary(rows)
     text = table(rows) + "\n\n" + "\n".join(lines)
     model_name = load_model(model).name

@@ -131,7 +131,7 @@ IGNORE = -100  # the label of a document's last token (no next token), as torch'
 # ------------------------------------------------------------------------------------ worker side
 
 def planning_options(model, mesh: Mesh, system: str = "wlb", profile: str = "h100", mask: str = "causal",
-                     block_size: int = 2048) -> dict:
+                     block_size: int = 2048, partials_dtype: str = "float32", keep_kv: bool = False) -> dict:
     """The plain, picklable options a planning worker needs (checked here, in the training process)."""
     mdl = load_model(model)
     if not isinstance(mesh, Mesh):
@@ -145,14 +145,17 @@ def planning_options(model, mesh: Mesh, system: str = "wlb", profile: str = "h10
     if not isinstance(mask, str):
         raise StepError(f"mask must be mask text or a builtin mask name, got {type(mask).__name__}")
     opts = {"model": mdl.to_dict(), "mesh": {f.name: getattr(mesh, f.name) for f in dataclasses.fields(Mesh)},
-            "system": spec, "profile": profile, "mask": mask, "block_size": block_size}
-    make_problem([1], model=mdl, mesh=mesh, profile=profile, mask=mask, block_size=block_size)  # checks the rest
+            "system": spec, "profile": profile, "mask": mask, "block_size": block_size,
+            "partials_dtype": partials_dtype, "keep_kv": keep_kv}
+    make_problem([1], model=mdl, mesh=mesh, profile=profile, mask=mask, block_size=block_size,  # checks the rest
+                 partials_dtype=partials_dtype, keep_kv=keep_kv)
     return opts
 
 
 def _problem(seqlens, opts: dict):
     return make_problem(seqlens, model=model_from_dict(opts["model"], "<planning options>"), mesh=Mesh(**opts["mesh"]),
-                        profile=opts["profile"], mask=opts["mask"], block_size=opts["block_size"])
+                        profile=opts["profile"], mask=opts["mask"], block_size=opts["block_size"],
+                        partials_dtype=opts["partials_dtype"], keep_kv=opts["keep_kv"])
 
 
 def plan_step_to_bytes(seqlens, segments, opts: dict):
@@ -181,7 +184,7 @@ def plan_chain_step_to_bytes(seqlens, carried, carried_origin, step: int, opts: 
         problem = make_problem(seqlens, model=model_from_dict(opts["model"], "<planning options>"),
                                mesh=Mesh(**opts["mesh"]), profile=opts["profile"], mask=opts["mask"],
                                block_size=opts["block_size"], carried=carried, carried_origin=carried_origin,
-                               step=step)
+                               step=step, partials_dtype=opts["partials_dtype"], keep_kv=opts["keep_kv"])
         return ("ok", pack_step(compile_step(problem, opts["system"])))
     except AttnplanError as e:
         err: AttnplanError = e
@@ -395,16 +398,16 @@ class StepLoader:
     a rank of pipeline stage ``s`` gets the micro-batches of its stage-local rank ``rank mod dp · cp``, whose
     groups are that stage's global ranks, :func:`stage_ranks`);
     ``system``: a batch pass as text (``wlb``, ``gds``, ``pool{inner=minheap}`` ...); ``profile``, ``mask``,
-    ``block_size``: as for :func:`attnplan.step.make_problem`. ``rank``: default the process's rank in
-    the default group. ``workers``/``lookahead``: as for :class:`PlanPrefetcher` (``workers=0`` plans in
-    this process when a step is asked for). ``check``: prove once per step that every rank holds the
-    same step plan. ``timeout``: seconds for that check (and nothing else)."""
+    ``block_size``, ``partials_dtype``, ``keep_kv``: as for :func:`attnplan.step.make_problem`. ``rank``:
+    default the process's rank in the default group. ``workers``/``lookahead``: as for
+    :class:`PlanPrefetcher` (``workers=0`` plans in this process when a step is asked for). ``check``: prove
+    once per step that every rank holds the same step plan. ``timeout``: seconds for that check (and nothing else)."""
 
     def __init__(self, batches, model, mesh: Mesh, system: str = "wlb", *, profile: str = "h100",
                  mask: str = "causal", block_size: int = 2048, rank: int | None = None, workers: int = 1,
                  lookahead: int | None = None, process_groups: bool = True, check: bool = True,
-                 mp_context: str = "spawn"):
-        self.opts = planning_options(model, mesh, system, profile, mask, block_size)
+                 mp_context: str = "spawn", partials_dtype: str = "float32", keep_kv: bool = False):
+        self.opts = planning_options(model, mesh, system, profile, mask, block_size, partials_dtype, keep_kv)
         self.model: Model = load_model(model)
         self.mesh = mesh
         self.world = mesh.devices

@@ -1,0 +1,152 @@
+"""The attention options at the step level (``make_problem(...,
+partials_dtype=, keep_kv=)``, ``plan step ... --partials-dtype --keep-kv``):
+every micro-batch's attention plan carries them, the step file records and
+checks them, and the memory a step needs counts the KV kept from each
+layer's forward to its backward where nothing is recomputed."""
+
+import hashlib
+import zlib
+
+import msgpack
+import numpy as np
+import pytest
+
+from attnplan.cli import main
+from attnplan.errors import PlanFileError, StepError
+from attnplan.ir.program import B_KV, BWD, T_KIND, T_PHASE
+from attnplan.step import Mesh, Model, compile_step, make_problem
+from attnplan.step import stepfile as sf
+from attnplan.step.model import activation_bytes, static_bytes
+from attnplan.step.simulate import memory
+
+TINY = Model("tiny", 2, 64, 4, 2, 8, 128, 256)
+LENS = [700, 90, 330, 40, 510, 180, 20, 600, 120]
+
+
+def _step(recompute="full", system="wlb", **opts):
+    p = make_problem(LENS, model=TINY, mesh=Mesh(2, 4, devices_per_node=2, recompute=recompute), block_size=32,
+                     **opts)
+    return compile_step(p, system)
+
+
+def _body(data: bytes) -> dict:
+    return msgpack.unpackb(zlib.decompress(data[sf._HEADER.size:]), raw=False)
+
+
+def _file(body: dict) -> bytes:
+    raw = zlib.compress(msgpack.packb(body, use_bin_type=True))
+    return sf._HEADER.pack(sf.MAGIC, sf.FORMAT_VERSION, 0, len(raw), hashlib.sha256(raw).digest()) + raw
+
+
+def test_every_attention_plan_carries_the_options():
+    c = _step(partials_dtype="bfloat16", keep_kv=True)
+    assert (c.plan.problem.partials_dtype, c.plan.problem.keep_kv) == ("bfloat16", True)
+    moved = False
+    for low in c.lowered:
+        assert (low.ir.problem.partials_dtype, low.ir.problem.keep_kv) == ("bfloat16", True)
+        X = low.ir.program.transfers
+        assert not ((X[:, T_PHASE] == BWD) & (X[:, T_KIND] == B_KV)).any()
+        moved |= bool(low.kept.sum())
+    assert moved  # some group splits a document: its backward keeps KV
+    plain = _step()
+    assert all(low.ir.problem.keep_kv is False and not low.kept.any() for low in plain.lowered)
+    # the same micro-batches and groups; the attention no slower
+    assert all(np.array_equal(getattr(c.plan, k), getattr(plain.plan, k)) for k in sf.PLAN_COLUMNS)
+    assert c.report["step_s"] <= plain.report["step_s"] * (1 + 1e-9)
+
+
+def test_step_file_round_trip_and_default():
+    c = _step(partials_dtype="bfloat16", keep_kv=True)
+    data = sf.pack(c)
+    back = sf.unpack(data)
+    assert (back.plan.problem.partials_dtype, back.plan.problem.keep_kv) == ("bfloat16", True)
+    assert all(ir.problem.keep_kv for ir in back.attention)
+    assert sf.pack(compile_step(back.plan.problem, "wlb")) == data
+    body = _body(sf.pack(_step()))
+    assert "keep_kv" not in body["problem"] and "partials_dtype" not in body["problem"]
+
+
+def test_step_file_whose_plans_disagree_with_its_options_is_refused():
+    """A step file that says keep_kv over attention plans compiled without
+    it (or the other way) would run backwards without their kept KV."""
+    body = _body(sf.pack(_step(keep_kv=True)))
+    body["problem"].pop("keep_kv")
+    with pytest.raises(PlanFileError, match="keep_kv"):
+        sf.unpack(_file(body), "x.step")
+    body = _body(sf.pack(_step()))
+    body["problem"]["keep_kv"] = True
+    with pytest.raises(PlanFileError, match="keep_kv"):
+        sf.unpack(_file(body), "x.step")
+    body["problem"]["keep_kv"] = 1
+    with pytest.raises(PlanFileError, match="problem.keep_kv must be a boolean"):
+        sf.unpack(_file(body), "x.step")
+    body["problem"]["keep_kv"] = False
+    body["problem"]["partials_dtype"] = "float16"
+    with pytest.raises(PlanFileError, match="partials_dtype"):
+        sf.unpack(_file(body), "x.step")
+
+
+@pytest.mark.parametrize("recompute", ["full", "none"])
+def test_memory_counts_kept_kv_per_layer_without_recompute(recompute):
+    """Without recompute every layer holds the KV its attention kept until
+    its backward: the peak grows by layers x kept bytes on each device of
+    the micro-batch that sets it. Under full recompute the kept KV lives
+    inside one layer's buffers (its recomputed forward to its backward)."""
+    keep = _step(recompute, keep_kv=True)
+    peak, which = memory(keep.plan, list(keep.lowered))
+    p = keep.plan.problem
+    base = static_bytes(p.model, p.mesh.stage_devices) + p.mesh.reserve
+    for m, low in enumerate(keep.lowered):
+        with_kept = activation_bytes(p.model, low.tokens, p.mesh.recompute, low.buffers, low.kept)
+        without = activation_bytes(p.model, low.tokens, p.mesh.recompute, low.buffers)
+        want = p.model.layers * low.kept if recompute == "none" else np.zeros_like(low.kept)
+        assert np.array_equal(np.asarray(with_kept) - np.asarray(without), want)
+        assert (peak[keep.plan.mb_ranks(m)] >= with_kept + base).all()
+    assert any(low.kept.any() for low in keep.lowered)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(partials_dtype="float16"), "partials_dtype must be float32 or the problem's dtype"),
+    (dict(partials_dtype=3), "partials_dtype must be"),
+    (dict(keep_kv="yes"), "keep_kv must be True or False"),
+])
+def test_bad_options_are_step_errors(kw, msg):
+    with pytest.raises(StepError, match=msg):
+        make_problem(LENS, model=TINY, mesh=Mesh(2, 2), **kw)
+
+
+def test_cli_step_compile_and_compare_take_the_options(tmp_path, capsys):
+    out = tmp_path / "a.step"
+    args = ["--seqlens", "9000,300,200,4000,100", "--mesh", "dp=2,cp=2", "--model", "qwen2.5-0.5b"]
+    assert main(["step", "compile", *args, "--system", "wlb", "--keep-kv", "--partials-dtype", "bfloat16",
+                 "-o", str(out)]) == 0
+    back = sf.read_file(out)
+    assert back.plan.problem.keep_kv and all(ir.problem.partials_dtype == "bfloat16" for ir in back.attention)
+    capsys.readouterr()
+    assert main(["step", "compare", *args, "--systems", "fixed,wlb", "--keep-kv"]) == 0
+    assert "wlb" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["step", "compare", *args, "--partials-dtype", "fp8"])
+    assert e.value.code == 2 and "--partials-dtype" in capsys.readouterr().err
+
+
+def test_step_loader_options_are_checked():
+    from attnplan.tools.step_loader import planning_options
+    opts = planning_options(TINY, Mesh(2, 2), "wlb", partials_dtype="bfloat16", keep_kv=True)
+    assert (opts["partials_dtype"], opts["keep_kv"]) == ("bfloat16", True)
+    with pytest.raises(StepError, match="keep_kv must be True or False"):
+        planning_options(TINY, Mesh(2, 2), "wlb", keep_kv="no")
+
+
+def test_pipelines_hold_kept_kv_per_layer_in_flight():
+    """On a pipeline without recompute a stage holds each in-flight
+    micro-batch's kept KV for its layers: the peak grows with keep_kv."""
+    def peak(**opts):
+        p = make_problem(LENS * 2, model=TINY, mesh=Mesh(1, 4, pp=2, devices_per_node=2, recompute="none"),
+                         block_size=32, **opts)
+        c = compile_step(p, "fixed")
+        return c.report["peak_memory_bytes"], max(int(low.kept.max()) for low in c.lowered)
+    plain, none_kept = peak()
+    keep, kept = peak(keep_kv=True)
+    assert none_kept == 0 < kept
+    assert keep > plain
