@@ -10,7 +10,9 @@ Prints, and writes to DIR/gpu_check.md and DIR/gpu_check.json:
 2. equality to dense attention: every strategy × 1, 2, 4, 8 virtual devices
    (all executed in this process on the one GPU, transfers as device copies)
    × causal and three other masks × bf16 and fp32, forward and backward,
-   against the float64 dense reference (``plan run --check``'s tolerances);
+   against the float64 dense reference (``plan run --check``'s tolerances),
+   and every strategy at the most devices with partial outputs sent in bf16
+   and the forward's KV kept for the backward (``partials_dtype``, ``keep_kv``);
 3. kernel efficiency: a 128K-token long-tailed batch (lmsys-128k-0, causal,
    32 q / 8 kv heads, head_dim 128, bf16) on one device, attnplan's runtime
    against one flash-attn varlen call on the same documents, forward and
@@ -163,6 +165,17 @@ def check_equality(dev: str, quick: bool, only: str = "") -> None:
                     if not r["ok"] or n == devices[-1]:
                         say(f"| {strat} | {n} | `{mask}` | {dt} | {r['out']:.1e} | {r['dq']:.1e} | {r['dk']:.1e} | "
                             f"{r['dv']:.1e} | {'ok' if r['ok'] else 'FAIL'} |")
+    n = devices[-1]  # the plan options on the GPU: partials sent in bf16, the forward's KV kept for the backward
+    for strat in strategies:
+        plan = attnplan.compile(SMALL, devices=n, heads=8, kv_heads=2, head_dim=64, strategy=strat, block_size=256,
+                                partials_dtype="bfloat16", keep_kv=True)
+        inputs = random_inputs(plan, "bfloat16", 0)
+        r = _errors(_run(plan, inputs, dev), refs[("causal", "bfloat16")], "bfloat16")
+        bad += not r["ok"]
+        rows.append(dict(strategy=strat + " (bf16 partials, KV kept)", devices=n, mask="causal", dtype="bfloat16",
+                         **r))
+        say(f"| {strat}, bf16 partials, KV kept | {n} | `causal` | bfloat16 | {r['out']:.1e} | {r['dq']:.1e} | "
+            f"{r['dk']:.1e} | {r['dv']:.1e} | {'ok' if r['ok'] else 'FAIL'} |")
     worst = {dt: {t: max(r[t] for r in rows if r["dtype"] == dt) for t in ("out", "dq", "dk", "dv")}
              for dt in ("bfloat16", "float32")}
     say(f"\n{len(rows)} cases, {bad} over tolerance (rows above: every failure, and the {devices[-1]}-device "
