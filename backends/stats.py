@@ -18,13 +18,15 @@
   (what division scheduling should keep low; 1.0 for a single stage).
 * kernel_work_ratio: work with every piece's query rows rounded up to the
   kernel tile (128 rows on GPUs) over exact work — what short blocks waste.
+* kept_bytes_max: with ``keep_kv``, the most bytes of received KV a device
+  holds from its forward to its backward (per attention call; 0 without).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..ir.program import BBYTES, BWD, FWD, M_DST, M_PHASE, M_SRC, T_BYTES, T_DST, T_PHASE, T_SRC
+from ..ir.program import BBYTES, BROLE, BWD, FWD, KEPT, M_DST, M_PHASE, M_SRC, T_BYTES, T_DST, T_PHASE, T_SRC
 from .cost import Profile, get_profile, rounded_pairs, simulate
 
 
@@ -47,6 +49,7 @@ def _per_device(ir) -> dict:
         "comm_in": np.bincount(X[:, T_DST], weights=nb, minlength=n).astype(np.int64),
         "comm_out": np.bincount(X[:, T_SRC], weights=nb, minlength=n).astype(np.int64),
         "memory": [[int(b[:, BBYTES].sum()) for b in prog.buffers[ph]] for ph in (FWD, BWD)],
+        "kept": np.array([int(b[b[:, BROLE] == KEPT, BBYTES].sum()) for b in prog.buffers[BWD]], np.int64),
     }
 
 
@@ -120,6 +123,7 @@ def compute_stats(ir, plan_s: float | None = 0.0, profile: Profile | str = "h100
         "token_blocks": ir.graph.n_tb,
         "compute_blocks": ir.graph.n_cb,
         "instructions": ir.program.n_instructions(),
+        "kept_bytes_max": int(dev["kept"].max(initial=0)),
         "per_device": {
             "flops": dev["flops"].tolist(),
             "pairs": dev["pairs"].tolist(),
@@ -128,6 +132,7 @@ def compute_stats(ir, plan_s: float | None = 0.0, profile: Profile | str = "h100
             "comm_out_bytes": dev["comm_out"].tolist(),
             "memory_fwd_bytes": dev["memory"][0],
             "memory_bwd_bytes": dev["memory"][1],
+            "kept_bytes": dev["kept"].tolist(),
             "predicted_fwd_s": sim["fwd"]["finish_s"],
             "predicted_bwd_s": sim["bwd"]["finish_s"],
         },
@@ -153,6 +158,7 @@ def format_stats(s: dict) -> str:
         ("comm total (fwd+bwd)", f"{gb(s['comm_bytes_total'])} in {s['messages']:,} messages "
                                  f"({s['transfers']:,} blocks)"),
         ("comm max per device", gb(s["comm_bytes_max"])),
+        *([("KV kept fwd -> bwd", f"{gb(s['kept_bytes_max'])} max per device")] if s.get("keep_kv") else []),
         ("predicted", f"{s['predicted_s'] * 1e3:.3f} ms ({s['profile']})"),
         ("lower bound", f"{s['lower_bound_s'] * 1e3:.3f} ms"),
         ("predicted / bound", f"{s['predicted_over_lower_bound']:.2f}"),

@@ -80,7 +80,13 @@ def test_the_backward_moves_no_kv(strategy):
         moved = ((Y[:, T_PHASE] == BWD) & (Y[:, T_KIND] == B_KV)).any()
         assert (s["comm_bytes_total"] < t["comm_bytes_total"]) == bool(moved)
         assert s["predicted_s"] <= t["predicted_s"] * (1 + 1e-9)
-    assert keep.stats()["keep_kv"] is True and "forward KV kept" in attnplan.backends.stats.format_stats(keep.stats())
+    s = keep.stats()
+    kept_bytes = [int(b[b[:, BROLE] == KEPT, 5].sum()) for b in keep.ir.program.buffers[BWD]]
+    assert s["per_device"]["kept_bytes"] == kept_bytes and s["kept_bytes_max"] == max(kept_bytes)
+    assert (s["kept_bytes_max"] > 0) == bool(want) and plain.stats()["kept_bytes_max"] == 0
+    text = attnplan.backends.stats.format_stats(s)
+    assert s["keep_kv"] is True and "forward KV kept" in text and "KV kept fwd -> bwd" in text
+    assert "KV kept" not in attnplan.backends.stats.format_stats(plain.stats())
 
 
 def test_keep_kv_off_is_the_default_and_changes_nothing():

@@ -93,6 +93,46 @@ def test_place_spans_rules(lens, shape, grain):
     assert np.allclose(replay, load)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4000), min_size=1, max_size=12), st.sampled_from([(4, 2), (8, 2), (16, 4)]),
+       st.sampled_from([1.0, 1.5]), st.sampled_from([1.0, 1.2, 2.0]))
+def test_cross_keeps_documents_inside_a_node_within_its_slack(lens, shape, grain, cross):
+    """With ``cross`` a document crosses nodes only where the best span of
+    one node would leave its busiest device above ``cross`` times the limit
+    (replayed); a document the rule keeps inside a node is on one node."""
+    devices, nodes = shape
+    per_node = devices // nodes
+    lens = np.array(lens)
+    work = lens * (lens + 1) / 2.0
+    where = place_spans(lens, work, devices, per_node, grain, 16, cross)
+    replay = np.zeros(devices)
+    target = grain * work.sum() / devices
+    for d in np.lexsort((np.arange(len(work)), -work)):
+        k = len(where[d])
+        limit = max(target, replay.max())
+        inside = [j for j in span_options(int(lens[d]), devices, per_node, 16) if j <= per_node]
+        best_inside = min(_brute_best(replay, j, per_node) + work[d] / j for j in inside)
+        if k > per_node:  # it crossed: no span of one node was within the slack
+            assert best_inside > cross * limit * (1 + 1e-12) - 1e-9
+        else:
+            assert len({int(x) // per_node for x in where[d]}) == 1
+        replay[where[d]] += work[d] / k
+
+
+def test_cross_moves_a_node_sized_document_back_inside_its_node():
+    """A document of 1.07 times a node's even share: grain 1 sends it over
+    two nodes; cross 1.2 keeps it on the 8 devices of one, and the plan
+    moves no byte between nodes."""
+    lens = [7000] + [1500] * 60  # the first: 8.5 devices' even share
+    kw = dict(devices=32, nodes=4, heads=8, kv_heads=2, head_dim=64, block_size=1024)
+    far = attnplan.compile(lens, strategy="span{grain=1}", **kw)
+    near = attnplan.compile(lens, strategy="span{grain=1,cross=1.2}", **kw)
+    big = lambda plan: np.unique(plan.ir.placement.home[plan.ir.graph.tb_start < 7000])
+    assert len(big(far)) > 8 and len(big(near)) == 8 and len(np.unique(big(near) // 8)) == 1
+    assert near.stats()["comm_bytes_inter"] == 0 < far.stats()["comm_bytes_inter"]
+    assert near.stats()["predicted_s"] < far.stats()["predicted_s"]  # 8.8 against 15.9 of the bound here
+
+
 def test_segments_cover_every_token_on_its_span():
     lens = np.array([7, 300, 1, 40])
     off = np.concatenate([[0], np.cumsum(lens)])
@@ -127,7 +167,7 @@ def test_large_document_spans_whole_nodes():
 
 
 def test_options_checked():
-    for bad in ("grain=0", "grain=-1", "min_chunk=0", "varlen=-2"):
+    for bad in ("grain=0", "grain=-1", "min_chunk=0", "varlen=-2", "cross=0.5", "cross=-1"):
         with pytest.raises(PlanError, match="span"):
             attnplan.compile(seqlens=[100], devices=2, pipeline=f"tile{{block=16}},span{{{bad}}},comm,emit")
 
