@@ -192,11 +192,13 @@ def _cmd_compare(args) -> int:
     if args.json:
         print(json.dumps({"model": problem.model.name, "mesh": mesh.spec(), "devices_per_node": mesh.devices_per_node,
                           "profile": problem.profile.name, "tokens": problem.tokens, "documents": problem.docs,
+                          "partials_dtype": problem.partials_dtype, "keep_kv": problem.keep_kv,
                           "rows": rows}, indent=2), file=out)
     else:
+        opts = problem.attention_options()
         print(f"{problem.tokens:,} tokens in {problem.docs} documents, {problem.model.name}, {mesh.spec()} on "
-              f"{mesh.nodes} node(s) of {mesh.devices_per_node}, {problem.profile.name}, recompute {mesh.recompute}",
-              file=out)
+              f"{mesh.nodes} node(s) of {mesh.devices_per_node}, {problem.profile.name}, recompute {mesh.recompute}"
+              + (f", attention: {opts}" if opts else ""), file=out)
         print(format_rows(rows, mesh), file=out)
         if args.html:
             print(f"wrote {args.html if args.html != '-' else '<stdout>'}", file=out)

@@ -13,6 +13,7 @@ buffers included) with and without. Prints, per strategy, the median and
 worst over batches of the busiest device, and the predicted time saved.
 
     .venv/bin/python benchmarks/keep_kv_memory.py [--strategies per_doc,span,...] [--devices 32]
+        [--batches FILE]
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--strategies", default="per_doc,dacp,hypergraph,span,span{grain=1}")
     ap.add_argument("--devices", type=int, default=32)
+    ap.add_argument("--batches", default=str(BATCHES), help="the JSONL of batches (default: the shared suite)")
     args = ap.parse_args()
-    batches = [json.loads(line) for line in BATCHES.read_text().splitlines() if line.strip()]
+    if not Path(args.batches).is_file():
+        raise SystemExit(f"batch file not found: {args.batches} (give --batches FILE)")
+    batches = [json.loads(line) for line in Path(args.batches).read_text().splitlines() if line.strip()]
     batches = [b for b in batches if "-128k-" in b["name"]]
     mib = 1 / 2 ** 20
     print(f"{len(batches)} batches of 128K at {args.devices} devices; busiest device, median (worst) over batches")

@@ -354,8 +354,13 @@ def check_buffers(g, pl, f: PhaseView, memory_cap: int | None) -> None:
 def check_kept(g, prog: Program) -> None:
     """A kept buffer (backward) names a forward receive buffer of the same
     device that holds the same KV block, each device keeps a block once, and
-    only a problem with ``keep_kv`` keeps (its runtime hands them over). The forward's receive into it completes
+    only a problem with ``keep_kv`` keeps (its runtime hands them over) —
+    and such a problem moves no KV in its backward. The forward's receive into it completes
     (:func:`check_partials`), so it holds the data when the backward starts."""
+    X = prog.transfers
+    if g.problem.keep_kv and ((X[:, T_PHASE] == BWD) & (X[:, T_KIND] == B_KV)).any():
+        fail(3, "the problem keeps KV (keep_kv), but the backward moves KV blocks: every KV block a device computes "
+                "with and does not home is kept from its forward")
     if not any((t[:, BROLE] == KEPT).any() for t in prog.buffers[BWD]):
         return
     if not g.problem.keep_kv:

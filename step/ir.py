@@ -98,12 +98,19 @@ class StepProblem:
         """Memory per device (bytes)."""
         return self.mesh.cap(self.profile)
 
+    def attention_options(self) -> str:
+        """The attention plans' options that are not the defaults, as text ('' when none)."""
+        return ", ".join(([f"partials {self.partials_dtype}"] if self.partials_dtype != "float32" else [])
+                         + (["forward KV kept"] if self.keep_kv else []))
+
     def to_text(self) -> str:
         lens = self.seqlens.tolist()
         shown = ", ".join(map(str, lens[:12])) + (f", ... ({len(lens)} documents)" if len(lens) > 12 else "")
+        opts = self.attention_options()
         return (f"step {self.step}: {self.tokens:,} tokens in {self.docs} documents ({self.carried} carried), "
                 f"model {self.model.name}, mesh {self.mesh.spec()} ({self.mesh.devices_per_node}/node), "
-                f"profile {self.profile.name}, mask {self.mask.strip()!r}\n  seqlens [{shown}]")
+                f"profile {self.profile.name}, mask {self.mask.strip()!r}" + (f", attention: {opts}" if opts else "")
+                + f"\n  seqlens [{shown}]")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -297,6 +297,7 @@ def to_json(loaded: LoadedStep) -> dict:
     ptr = plan.mb_ptr()
     return {
         "system": plan.system, "model": p.model.name, "mesh": p.mesh.spec(), "tokens": p.tokens, "documents": p.docs,
+        "partials_dtype": p.partials_dtype, "keep_kv": p.keep_kv,
         "carried": p.carried, "queue_out": plan.queue_out.tolist(), "info": dict(plan.info),
         "chunk_keep": plan.chunk_keep, "schedule": schedule_json(plan),
         "micro_batches": [{"mb": m, "slot": int(plan.mb_slot[m]), "ranks": plan.mb_ranks(m).tolist(),

@@ -294,6 +294,18 @@ def test_crafted_plan_file_with_a_bad_keep_kv_is_refused(tmp_path):
             attnplan.load(path)
 
 
+def test_crafted_plan_file_that_keeps_nothing_but_says_it_does_is_refused(tmp_path):
+    """keep_kv on a plan whose backward still moves KV: the runtime would
+    hold nothing and the stats would say it keeps."""
+    plan = _plan("per_doc", keep=False, devices=4)
+    body = to_body(plan.ir, plan.meta)
+    body["problem"]["keep_kv"] = True
+    path = tmp_path / "bad.plan"
+    path.write_bytes(pack_body(body))
+    with pytest.raises((attnplan.PlanFileError, VerifyError), match="the backward moves KV blocks"):
+        attnplan.load(path)
+
+
 def test_crafted_plan_file_with_kept_rows_but_no_keep_kv_is_refused(tmp_path):
     """A plan file whose backward keeps blocks must say so: otherwise a
     runtime would run its backward without the forward's blocks."""

@@ -5,6 +5,7 @@ checks them, and the memory a step needs counts the KV kept from each
 layer's forward to its backward where nothing is recomputed."""
 
 import hashlib
+import json
 import zlib
 
 import msgpack
@@ -123,8 +124,14 @@ def test_cli_step_compile_and_compare_take_the_options(tmp_path, capsys):
     back = sf.read_file(out)
     assert back.plan.problem.keep_kv and all(ir.problem.partials_dtype == "bfloat16" for ir in back.attention)
     capsys.readouterr()
+    assert main(["step", "show", str(out)]) == 0
+    assert "attention: partials bfloat16, forward KV kept" in capsys.readouterr().out
+    assert main(["step", "show", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["partials_dtype"], shown["keep_kv"]) == ("bfloat16", True)
     assert main(["step", "compare", *args, "--systems", "fixed,wlb", "--keep-kv"]) == 0
-    assert "wlb" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "wlb" in text and "attention: forward KV kept" in text
     with pytest.raises(SystemExit) as e:
         main(["step", "compare", *args, "--partials-dtype", "fp8"])
     assert e.value.code == 2 and "--partials-dtype" in capsys.readouterr().err
