@@ -341,6 +341,9 @@ def _cmd_run(args) -> int:
             raise PlanError(f"{args.plan} was compiled for {plan.devices} devices; --procs must be {plan.devices}, "
                             f"got {args.procs}")
         _check_run_size(plan, args.dtype, args.check, args.procs)
+        if args.check:  # what every rank would refuse, refused before starting them
+            from .runtime.check import check_size
+            check_size(plan)
         return launch.launch([str(args.plan), "--dtype", args.dtype, "--seed", str(args.seed), "--timeout",
                               repr(args.timeout)] + (["--check"] if args.check else [])
                              + (["--match", args.match] if args.match else []), args.procs)

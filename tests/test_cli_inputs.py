@@ -340,6 +340,21 @@ def test_run_refuses_a_huge_plan_in_every_mode(capsys, tmp_path, monkeypatch):
     assert_one_line_error(code, err, "MAX_RUN_BYTES")
 
 
+def test_run_check_refuses_a_sample_over_the_reference_limit_before_starting_processes(capsys, tmp_path):
+    """--check builds a dense reference per sample: a sample over the limit
+    is one line and exit 2 at once, in this process and for --procs (not
+    after every rank has started)."""
+    from attnplan.runtime.check import MAX_CHECK_SAMPLE
+    path = tmp_path / "long.plan"
+    assert cli.main(["compile", "--seqlens", f"{MAX_CHECK_SAMPLE + 1},300", "--devices", "2", "--heads", "2",
+                     "--head-dim", "8", "-o", str(path)]) == 0
+    capsys.readouterr()
+    for extra in ([], ["--procs", "2"]):
+        code, out, err, dt = run(capsys, "run", path, "--check", *extra)
+        assert_one_line_error(code, err, f"the largest sample has {MAX_CHECK_SAMPLE + 1} tokens")
+        assert dt < FAST_S
+
+
 def test_run_procs_must_match(capsys, small_plan):
     code, out, err, _ = run(capsys, "run", small_plan, "--procs", "3")
     assert_one_line_error(code, err, "--procs must be 2, got 3")
