@@ -10,7 +10,6 @@ are refused."""
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from attnplan.ir.program import (B_KV, B_Q, BPEER, BROLE, BTB, BWD, FWD, KEPT, R
                                  T_PHASE, T_SRC, T_TB, Program)
 from attnplan.ir.verify import verify
 from attnplan.runtime import memory
-from attnplan.runtime.check import random_inputs, reference
+from attnplan.runtime.check import random_inputs, reference, run_plan
 from attnplan.runtime.executor import run_backward, run_forward
 from attnplan.tools.auto import estimate
 from attnplan.tools.auto_schedule import schedule_bound
@@ -107,22 +106,13 @@ def test_plan_file_round_trip_keeps_kept_buffers(tmp_path):
     assert "kept %" in plan.ir.program.to_text()
 
 
-def _execute(plan, seed=3):
-    p = plan.problem
-    q, k, v, dout = random_inputs(plan, "float32", seed)
-    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-    out = attnplan.execute(plan, qg, kg, vg)
-    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
-    return (out, *grads), reference(p, q, k, v, dout, 1.0 / math.sqrt(p.head_dim))
-
-
 @pytest.mark.parametrize("strategy", ["per_doc", "zigzag:ring", "ulysses:a2a", "span{grain=1}:tree"])
 def test_kept_plans_equal_the_plain_plan_bit_for_bit(strategy):
     """Same placement, same kernels in the same order: keeping the KV changes
     where the backward reads it from, not a single bit of the result."""
-    a, _ = _execute(_plan(strategy, devices=4))
-    b, _ = _execute(_plan(strategy, keep=False, devices=4))
-    assert all(torch.equal(x.detach(), y.detach()) for x, y in zip(a, b))
+    a = run_plan(_plan(strategy, devices=4), "float32", 3)[:4]
+    b = run_plan(_plan(strategy, keep=False, devices=4), "float32", 3)[:4]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_the_backward_needs_the_forwards_kept_blocks():
@@ -153,7 +143,7 @@ def test_memory_replay_holds_kept_blocks_across_the_phases(monkeypatch, strategy
         self.track_memory = True
         seen.append(self)
     monkeypatch.setattr(runner_mod.DeviceRunner, "__init__", tracked)
-    _execute(keep)
+    run_plan(keep, "float32", 3)
     assert len(seen) == 2 * keep.ir.devices
     for r in seen:
         m = memory.stream_peak(keep.ir.program, r.phase, r.device)
