@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir.program import BBYTES, BROLE, BWD, FWD, KEPT, M_DST, M_PHASE, M_SRC, T_BYTES, T_DST, T_PHASE, T_SRC
+from ..ir.program import BBYTES, BWD, FWD, M_DST, M_PHASE, M_SRC, T_BYTES, T_DST, T_PHASE, T_SRC
 from .cost import Profile, get_profile, rounded_pairs, simulate
 
 
@@ -49,7 +49,7 @@ def _per_device(ir) -> dict:
         "comm_in": np.bincount(X[:, T_DST], weights=nb, minlength=n).astype(np.int64),
         "comm_out": np.bincount(X[:, T_SRC], weights=nb, minlength=n).astype(np.int64),
         "memory": [[int(b[:, BBYTES].sum()) for b in prog.buffers[ph]] for ph in (FWD, BWD)],
-        "kept": np.array([int(b[b[:, BROLE] == KEPT, BBYTES].sum()) for b in prog.buffers[BWD]], np.int64),
+        "kept": prog.kept_bytes(),
     }
 
 

@@ -23,10 +23,9 @@ import json
 import statistics
 from pathlib import Path
 
-import numpy as np
 
 import attnplan
-from attnplan.ir.program import BBYTES, BROLE, BWD, FWD, KEPT
+from attnplan.ir.program import BWD, FWD
 from attnplan.runtime.memory import stream_peak
 
 BATCHES = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "batches.jsonl"
@@ -37,8 +36,7 @@ def measure(lens: list[int], strategy: str, devices: int) -> dict:
     nodes = max(1, devices // 8)
     keep = attnplan.compile(lens, devices=devices, nodes=nodes, strategy=strategy, keep_kv=True, **SHAPE)
     plain = attnplan.compile(lens, devices=devices, nodes=nodes, strategy=strategy, **SHAPE)
-    prog = keep.ir.program
-    kept = np.array([int(b[b[:, BROLE] == KEPT, BBYTES].sum()) for b in prog.buffers[BWD]])
+    kept = keep.ir.program.kept_bytes()
     # what autograd saves for the attention of a device's share of the tokens: q, k, v, out (bf16), lse (fp32)
     saved = sum(lens) / devices * (2 * (2 * SHAPE["heads"] + 2 * SHAPE["kv_heads"]) * SHAPE["head_dim"]
                                    + 4 * SHAPE["heads"])

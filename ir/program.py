@@ -236,6 +236,10 @@ class Program:
     def n_instructions(self) -> int:
         return sum(len(c) for ph in self.code for c in ph)
 
+    def kept_bytes(self) -> np.ndarray:
+        """Per device: bytes of the KV blocks its backward keeps from its forward (``kept`` buffers)."""
+        return np.array([int(b[b[:, BROLE] == KEPT, BBYTES].sum()) for b in self.buffers[BWD]], np.int64)
+
     def transfer_message(self) -> np.ndarray:
         """The message of every transfer (from the CSR index; the message table must be well formed)."""
         M = self.messages

@@ -27,7 +27,7 @@ from ..ir.limits import MAX_SAMPLES, MAX_TOKENS
 from ..ir.mask import HI, INF, K0, K1, LO, Q0, Q1, Pieces
 from ..ir.module import PlanIR
 from ..ir.problem import Problem
-from ..ir.program import BBYTES, BROLE, BWD, FWD, KEPT
+from ..ir.program import BBYTES, BWD, FWD
 from ..passes import parse_pipeline, run_pipeline, strategies
 from ..passes.default import default_pipeline
 from .ir import StepPlan, StepProblem
@@ -129,10 +129,9 @@ class AttentionCache:
         tokens = query_tokens(ir, devices)
         buffers = np.array([max(int(prog.buffers[FWD][i][:, BBYTES].sum()), int(prog.buffers[BWD][i][:, BBYTES].sum()))
                             for i in range(devices)], dtype=np.int64)
-        kept = np.array([int(b[b[:, BROLE] == KEPT, BBYTES].sum()) for b in prog.buffers[BWD]], dtype=np.int64)
         return Lowered(ir, strategy, tokens, np.asarray(sim["fwd"]["finish_s"]), np.asarray(sim["bwd"]["finish_s"]),
                        np.asarray(sim["fwd"]["compute_s"]), np.asarray(sim["bwd"]["compute_s"]), buffers,
-                       int(g.cb_pairs.sum()), kept)
+                       int(g.cb_pairs.sum()), prog.kept_bytes())
 
     def bound(self, lens, devices, nodes, strategy, heads, prefix: int = 0) -> float:
         """A lower bound of ``strategy``'s predicted attention time, from its placement alone: the busiest

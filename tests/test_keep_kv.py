@@ -81,7 +81,7 @@ def test_the_backward_moves_no_kv(strategy):
         assert s["predicted_s"] <= t["predicted_s"] * (1 + 1e-9)
     s = keep.stats()
     kept_bytes = [int(b[b[:, BROLE] == KEPT, 5].sum()) for b in keep.ir.program.buffers[BWD]]
-    assert s["per_device"]["kept_bytes"] == kept_bytes and s["kept_bytes_max"] == max(kept_bytes)
+    assert keep.ir.program.kept_bytes().tolist() == kept_bytes and s["per_device"]["kept_bytes"] == kept_bytes and s["kept_bytes_max"] == max(kept_bytes)
     assert (s["kept_bytes_max"] > 0) == bool(want) and plain.stats()["kept_bytes_max"] == 0
     text = attnplan.backends.stats.format_stats(s)
     assert s["keep_kv"] is True and "forward KV kept" in text and "KV kept fwd -> bwd" in text
@@ -148,7 +148,7 @@ def test_memory_replay_holds_kept_blocks_across_the_phases(monkeypatch, strategy
     for r in seen:
         m = memory.stream_peak(keep.ir.program, r.phase, r.device)
         assert r.peak_bytes == m.peak - m.home
-    kept_bytes = [int(b[b[:, BROLE] == KEPT, 5].sum()) for b in keep.ir.program.buffers[BWD]]
+    kept_bytes = keep.ir.program.kept_bytes()
     for d in range(keep.ir.devices):
         m = memory.stream_peak(keep.ir.program, BWD, d)
         assert m.peak - m.home >= kept_bytes[d]
