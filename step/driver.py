@@ -2,7 +2,8 @@
 
     system (batch pass) ── apply ──▶ StepPlan ── verify_plan
       ── lower every micro-batch (frontend + attention passes, verified after each pass; cached)
-      ── simulate the whole step, peak memory per device ── verify_lowered (plans match, memory under the cap)
+      ── simulate the whole step, peak memory per device (with keep_kv: kept KV only where it fits, step/kept.py)
+      ── verify_lowered (plans match, memory under the cap)
 
 :func:`compile_step` returns a :class:`CompiledStep`; ``plan_s`` (wall
 seconds, all of the above) is measured, never part of a plan.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .base import StepPass, parse_system
 from .ir import StepPlan, StepProblem
+from .kept import keep_where_it_fits
 from .lower import Lowered, lower_or_fall_back
 from .pipeline import align_slots, build_schedule, verify_schedule
 from .pipesim import mb_parts, simulate_pipeline, stage_memory
@@ -43,16 +45,17 @@ def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify:
     if verify:
         verify_plan(plan)
     plan, lowered = lower_or_fall_back(plan)  # a strategy its group cannot lower gives way to one that can
-    if pipelined(plan):
-        sch = build_schedule(plan)
-        if verify:
-            verify_schedule(plan, sch)
-        peak, peak_mb = stage_memory(plan, sch, mb_parts(plan, lowered), lowered)
-    else:
-        peak, peak_mb = memory(plan, lowered)
+    sch = build_schedule(plan) if pipelined(plan) else None
+    if verify and sch is not None:
+        verify_schedule(plan, sch)
+
+    def peaks(plan: StepPlan, lowered: list) -> tuple:
+        return stage_memory(plan, sch, mb_parts(plan, lowered), lowered) if sch is not None else memory(plan, lowered)
+    # with keep_kv, a micro-batch whose kept KV would exceed the cap does without it (step/kept.py)
+    plan, lowered, peak, peak_mb = keep_where_it_fits(plan, lowered, peaks, problem.cap)
     if verify:
         verify_lowered(plan, lowered, peak, peak_mb, problem.cap)
-    report = simulate_pipeline(plan, lowered, sch) if pipelined(plan) else simulate_step(plan, lowered)
+    report = simulate_pipeline(plan, lowered, sch) if sch is not None else simulate_step(plan, lowered)
     plan_s = time.perf_counter() - t0
     report["plan_s"] = plan_s
     return CompiledStep(plan, tuple(lowered), report, {"plan_s": plan_s})

@@ -131,6 +131,9 @@ class StepPlan:
     queue_out: np.ndarray = field(default_factory=lambda: _frozen([]))
     info: tuple = ()   # (key, value) pairs a system reports (context length, solver gap, ...)
     chunk_keep: int = 0  # ChunkFlow's K: documents may be cut into chunks carrying their KV (0: never cut)
+    # micro-batches whose attention does not keep the forward's KV although the problem asks for it (keep_kv):
+    # with it their devices would exceed the memory cap (step/kept.py), ascending
+    mb_unkept: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("frag_doc", "frag_start", "frag_end", "frag_mb", "mb_group", "mb_slot", "group_ptr",
@@ -138,6 +141,11 @@ class StepPlan:
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         object.__setattr__(self, "mb_strategy", tuple(self.mb_strategy))
         object.__setattr__(self, "info", tuple(self.info))
+        object.__setattr__(self, "mb_unkept", tuple(self.mb_unkept))
+
+    def mb_keeps_kv(self, m: int) -> bool:
+        """Whether micro-batch ``m``'s attention keeps the forward's KV for its backward."""
+        return self.problem.keep_kv and m not in self.mb_unkept
 
     # sizes and views ------------------------------------------------------------------------------
     @property
@@ -198,6 +206,9 @@ class StepPlan:
                  f"{len(self.frag_doc)} fragments, {len(self.queue_out)} documents queued for later steps"]
         for key, value in self.info:
             lines.append(f"  {key} = {value}")
+        if self.mb_unkept:
+            lines.append(f"  forward KV not kept (over the memory cap with it): micro-batches "
+                         f"{', '.join(map(str, self.mb_unkept))}")
         ptr = self.mb_ptr()
         shown = 0
         for m in range(self.n_mb):

@@ -73,7 +73,17 @@ class AttentionCache:
         self._failed: dict[tuple, PlanError] = {}
         self._placed: dict[tuple, PlanIR] = {}
         self._best: dict[tuple, Lowered] = {}
+        self._unkept: AttentionCache | None = None
         self.compiles = 0
+
+    def without_kept(self) -> "AttentionCache":
+        """The cache of the same attention problems without ``keep_kv`` (itself where nothing is kept): what a
+        micro-batch whose kept KV would exceed the memory cap lowers with (:mod:`attnplan.step.kept`)."""
+        if not self.keep_kv:
+            return self
+        if self._unkept is None:
+            self._unkept = AttentionCache(self.mask, self.profile, self.block_size, self.partials_dtype, False)
+        return self._unkept
 
     def get(self, lens: tuple[int, ...], devices: int, nodes: int, strategy: str, heads: tuple[int, int, int],
             prefix: int = 0) -> Lowered:
@@ -361,8 +371,9 @@ def lower_mb(plan: StepPlan, m: int) -> Lowered:
     """Micro-batch ``m``'s attention plan (cached)."""
     p = plan.problem
     ranks = plan.mb_ranks(m)
-    return cache_of(p).get(plan.mb_seqlens(m), len(ranks), group_nodes(p.mesh, ranks), plan.mb_strategy[m],
-                           heads_of(p), plan.mb_prefix(m))
+    cache = cache_of(p) if plan.mb_keeps_kv(m) else cache_of(p).without_kept()
+    return cache.get(plan.mb_seqlens(m), len(ranks), group_nodes(p.mesh, ranks), plan.mb_strategy[m],
+                     heads_of(p), plan.mb_prefix(m))
 
 
 def lower_step(plan: StepPlan) -> list[Lowered]:

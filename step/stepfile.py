@@ -96,7 +96,8 @@ def to_body(c: CompiledStep) -> dict:
                     **({"keep_kv": True} if p.keep_kv else {})},  # the defaults
         "plan": {"system": plan.system, **{k: _arr(getattr(plan, k)) for k in PLAN_COLUMNS},
                  "mb_strategy": list(plan.mb_strategy), "info": [[str(k), v] for k, v in plan.info],
-                 "chunk_keep": plan.chunk_keep},
+                 "chunk_keep": plan.chunk_keep,
+                 **({"mb_unkept": list(plan.mb_unkept)} if plan.mb_unkept else {})},  # absent: every one keeps
         "attention": files,
         "mb_attention": _arr(index),
     }
@@ -228,9 +229,13 @@ def from_body(body: dict, source: str) -> LoadedStep:
                 isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
                 and isinstance(i[1], (int, float, str)) for i in info):
             raise _fail(source, "malformed step file: plan.mb_strategy or plan.info has the wrong types")
+        unkept = qb.get("mb_unkept", [])
+        if not isinstance(unkept, list) or len(unkept) > L.MAX_MICRO_BATCHES:
+            raise _fail(source, "malformed step file: plan.mb_unkept must be a list of micro-batches")
         plan = StepPlan(problem, _get(qb, "system", str, "plan", source),
                         **{k: _array(qb, k, "plan", source) for k in PLAN_COLUMNS},
-                        mb_strategy=tuple(strategies), info=tuple((k, v) for k, v in info), chunk_keep=keep)
+                        mb_strategy=tuple(strategies), info=tuple((k, v) for k, v in info), chunk_keep=keep,
+                        mb_unkept=tuple(unkept))
         verify_plan(plan)
         files = _get(body, "attention", list, "body", source)
         index = _array(body, "mb_attention", "body", source)
@@ -301,7 +306,7 @@ def to_json(loaded: LoadedStep) -> dict:
         "carried": p.carried, "queue_out": plan.queue_out.tolist(), "info": dict(plan.info),
         "chunk_keep": plan.chunk_keep, "schedule": schedule_json(plan),
         "micro_batches": [{"mb": m, "slot": int(plan.mb_slot[m]), "ranks": plan.mb_ranks(m).tolist(),
-                           "strategy": plan.mb_strategy[m],
+                           "strategy": plan.mb_strategy[m], "keep_kv": plan.mb_keeps_kv(m),
                            "fragments": [[int(plan.frag_doc[f]), int(plan.frag_start[f]), int(plan.frag_end[f])]
                                          for f in range(int(ptr[m]), int(ptr[m + 1]))]}
                           for m in range(plan.n_mb)],

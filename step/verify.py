@@ -57,6 +57,19 @@ def verify_plan(plan: StepPlan) -> None:
     for m, s in enumerate(plan.mb_strategy):
         if s not in known:
             raise _fail(plan, f"micro-batch {m}: unknown attention strategy {s!r}")
+    _unkept(plan)
+
+
+def _unkept(plan: StepPlan) -> None:
+    u = plan.mb_unkept
+    if not all(isinstance(m, int) and not isinstance(m, bool) for m in u):
+        raise _fail(plan, "mb_unkept must list micro-batch numbers")
+    if u and not plan.problem.keep_kv:
+        raise _fail(plan, "mb_unkept lists micro-batches that do not keep the forward's KV, but the problem keeps "
+                          "none (keep_kv is off)")
+    if list(u) != sorted(set(u)) or (u and not 0 <= u[0] <= u[-1] < plan.n_mb):
+        raise _fail(plan, f"mb_unkept must be ascending distinct micro-batches of 0..{plan.n_mb - 1}, got "
+                          f"{list(u)[:8]}")
 
 
 def _shapes(plan: StepPlan) -> None:
@@ -229,10 +242,12 @@ def verify_attention(plan: StepPlan, irs) -> None:
         if (ir.problem.heads, ir.problem.kv_heads, ir.problem.head_dim) != (p.model.heads, p.model.kv_heads,
                                                                             p.model.head_dim):
             raise _fail(plan, f"micro-batch {m}: its attention plan's heads are not the model's")
-        if (ir.problem.partials_dtype, ir.problem.keep_kv) != (p.partials_dtype, p.keep_kv):
+        keep = plan.mb_keeps_kv(m)
+        if (ir.problem.partials_dtype, ir.problem.keep_kv) != (p.partials_dtype, keep):
             raise _fail(plan, f"micro-batch {m}: its attention plan has partials_dtype "
                               f"{ir.problem.partials_dtype} and keep_kv {ir.problem.keep_kv}, the step "
-                              f"{p.partials_dtype} and {p.keep_kv}")
+                              f"{p.partials_dtype} and {keep}"
+                              + (" (it is listed in mb_unkept)" if p.keep_kv and not keep else ""))
         got = int(ir.need_graph().cb_pairs.sum())
         want = int(fp[ptr[m]:ptr[m + 1]].sum()) * p.model.heads
         if got != want:

@@ -4,6 +4,7 @@ every micro-batch's attention plan carries them, the step file records and
 checks them, and the memory a step needs counts the KV kept from each
 layer's forward to its backward where nothing is recomputed."""
 
+import dataclasses
 import hashlib
 import json
 import zlib
@@ -157,3 +158,93 @@ def test_pipelines_hold_kept_kv_per_layer_in_flight():
     keep, kept = peak(keep_kv=True)
     assert none_kept == 0 < kept
     assert keep > plain
+
+
+def _capped(cap, recompute="none", mesh=None, lens=LENS, system="wlb", **opts):
+    mesh = dataclasses.replace(mesh or Mesh(2, 4, devices_per_node=2, recompute=recompute), memory_cap=cap)
+    return compile_step(make_problem(lens, model=TINY, mesh=mesh, block_size=32, **opts), system)
+
+
+def test_kept_kv_only_where_it_fits():
+    """With a cap between the peaks without and with kept KV, the micro-batches whose kept KV would exceed it
+    do without (``mb_unkept``): each of those alone would put a device over the cap with it, each kept one is
+    under it, and the step plans instead of being refused."""
+    kept_all = _capped(1 << 40, keep_kv=True)
+    plain = _capped(1 << 40)
+    hi, lo = kept_all.report["peak_memory_bytes"], plain.report["peak_memory_bytes"]
+    assert lo < hi and not kept_all.plan.mb_unkept
+    cap = (lo + hi) // 2
+    c = _capped(cap, keep_kv=True)
+    p = c.plan.problem
+    base = static_bytes(p.model, p.mesh.stage_devices) + p.mesh.reserve
+    assert c.plan.mb_unkept and c.report["peak_memory_bytes"] <= cap
+    assert c.report["kv_unkept"] == list(c.plan.mb_unkept)
+    for m, low in enumerate(c.lowered):
+        ranks = c.plan.mb_ranks(m)
+        assert low.ir.problem.keep_kv == (m not in c.plan.mb_unkept)
+        if m in c.plan.mb_unkept:  # with its kept KV it would not fit
+            with_kept = kept_all.lowered[m]
+            act = activation_bytes(p.model, with_kept.tokens, "none", with_kept.buffers, with_kept.kept)
+            assert (np.asarray(act) + base > cap).any() and not low.kept.any()
+        else:
+            act = activation_bytes(p.model, low.tokens, "none", low.buffers, low.kept)
+            assert (np.asarray(act) + base <= cap).all()
+        assert len(ranks) == len(low.tokens)
+    # the same micro-batches as the step that keeps everywhere
+    assert all(np.array_equal(getattr(c.plan, k), getattr(kept_all.plan, k)) for k in sf.PLAN_COLUMNS)
+
+
+def test_full_recompute_keeps_every_micro_batch():
+    """Under full recompute the kept KV lives inside one layer's buffers: the same cap keeps all of it."""
+    c = _capped(1 << 40, recompute="full", keep_kv=True)
+    assert not c.plan.mb_unkept and all(low.ir.problem.keep_kv for low in c.lowered)
+
+
+def test_pipeline_drops_kept_kv_held_in_flight():
+    """On a pipeline a stage's peak also counts the kept KV of micro-batches in flight: the rule
+    (step/kept.py) drops keepers there until every stage is under a cap between the peaks with every
+    micro-batch keeping and with none."""
+    from attnplan.step.kept import keep_where_it_fits
+    from attnplan.step.lower import lower_mb
+    from attnplan.step.pipeline import build_schedule
+    from attnplan.step.pipesim import mb_parts, stage_memory
+    c = _capped(1 << 40, keep_kv=True, mesh=Mesh(1, 4, pp=2, devices_per_node=2, recompute="none"),
+                lens=LENS * 2, system="fixed")
+    sch = build_schedule(c.plan)
+
+    def peaks(plan, lowered):
+        return stage_memory(plan, sch, mb_parts(plan, lowered), lowered)
+    none = dataclasses.replace(c.plan, mb_unkept=tuple(range(c.plan.n_mb)))
+    lo = int(peaks(none, [lower_mb(none, m) for m in range(none.n_mb)])[0].max())
+    hi = int(peaks(c.plan, list(c.lowered))[0].max())
+    assert lo < hi
+    plan, lowered, peak, _ = keep_where_it_fits(c.plan, list(c.lowered), peaks, (lo + hi) // 2)
+    assert plan.mb_unkept and len(plan.mb_unkept) < plan.n_mb and peak.max() <= (lo + hi) // 2
+    assert all(low.ir.problem.keep_kv == (m not in plan.mb_unkept) for m, low in enumerate(lowered))
+    same = keep_where_it_fits(c.plan, list(c.lowered), peaks, hi)  # at the peak itself nothing is dropped
+    assert same[0] is c.plan
+
+
+def test_step_file_records_unkept_micro_batches():
+    kept_all, plain = _capped(1 << 40, keep_kv=True), _capped(1 << 40)
+    c = _capped((kept_all.report["peak_memory_bytes"] + plain.report["peak_memory_bytes"]) // 2, keep_kv=True)
+    data = sf.pack(c)
+    back = sf.unpack(data)
+    assert back.plan.mb_unkept == c.plan.mb_unkept
+    assert [ir.problem.keep_kv for ir in back.attention] == [low.ir.problem.keep_kv for low in c.lowered]
+    assert "mb_unkept" not in _body(sf.pack(kept_all))["plan"]
+    shown = sf.to_json(back)
+    assert [mb["keep_kv"] for mb in shown["micro_batches"]] == [low.ir.problem.keep_kv for low in c.lowered]
+    assert "forward KV not kept" in back.plan.to_text()
+    body = _body(data)
+    first = c.plan.mb_unkept[0]
+    for bad, msg in ((c.plan.mb_unkept[1:], "keep_kv"),                      # a plan without kept KV, not listed
+                     ([first, first], "ascending distinct"), ([c.plan.n_mb], "ascending distinct"),
+                     (["0"], "micro-batch numbers"), ("3", "list of micro-batches")):
+        body["plan"]["mb_unkept"] = list(bad) if isinstance(bad, tuple) else bad
+        with pytest.raises(PlanFileError, match=msg):
+            sf.unpack(_file(body), "x.step")
+    body["plan"]["mb_unkept"] = list(c.plan.mb_unkept)
+    body["problem"].pop("keep_kv")
+    with pytest.raises(PlanFileError, match="keep_kv"):
+        sf.unpack(_file(body), "x.step")
