@@ -218,8 +218,18 @@ def _cmd_compile(args) -> int:
     print(f"wrote {where}: {c.plan.system}, {r['micro_batches']} micro-batches on {r['devices']} devices, step "
           f"{r['step_s'] * 1e3:.1f} ms ({r['step_over_lower_bound']:.3f} x lower bound), DP imbalance "
           f"{r['dp_imbalance']:.3f}, peak {r['peak_memory_bytes'] / 2**30:.1f} of {r['memory_cap_bytes'] / 2**30:.0f} "
-          f"GiB, planned in {r['plan_s']:.2f} s", file=summary_stream(args.output))
+          f"GiB, planned in {r['plan_s']:.2f} s" + _kept_note(c.plan), file=summary_stream(args.output))
     return 0
+
+
+def _kept_note(plan) -> str:
+    """Where ``--keep-kv`` could not keep the forward's KV (step/kept.py), for the summary line."""
+    if "keep_kv" in plan.info_dict():
+        return "; forward KV kept in no micro-batch (over the memory cap with it)"
+    if plan.mb_unkept:
+        return (f"; forward KV not kept in {len(plan.mb_unkept)} of {plan.n_mb} micro-batches (over the memory cap "
+                f"with it)")
+    return ""
 
 
 def _cmd_show(args) -> int:

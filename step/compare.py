@@ -46,7 +46,7 @@ def row_of(name: str, c: CompiledStep) -> dict:
     r = c.report
     return {"system": name, **{k: r[k] for k in COLUMNS[1:]}, "spec": c.plan.system, "tokens": r["tokens"],
             "tokens_queued": r["tokens_queued"], "max_slots": r["max_slots"], "info": r["info"],
-            "kv_unkept": r["kv_unkept"],
+            "mb_unkept": r["mb_unkept"],
             "strategies": sorted(set(r["per_mb"]["strategy"])),
             **({"bubble_ratio": r["bubble_ratio"], "schedule": r["pipeline"]["schedule"]} if "pipeline" in r else {})}
 
@@ -118,8 +118,8 @@ def format_rows(rows: list[dict], mesh=None) -> str:
         fallback = dict(r.get("info") or {}).get("fallback")
         if fallback:
             notes.append(f"* {r['system']}: {fallback}")
-        if r.get("kv_unkept"):
-            notes.append(f"  {r['system']}: forward KV not kept in {len(r['kv_unkept'])} of {r['micro_batches']} "
+        if r.get("mb_unkept"):
+            notes.append(f"  {r['system']}: forward KV not kept in {len(r['mb_unkept'])} of {r['micro_batches']} "
                          f"micro-batches (over the memory cap with it)")
         vs = f"{r['speedup_vs_fixed']:.2f}x" if "speedup_vs_fixed" in r else "-"
         name = r["system"] + ("*" if fallback else "")

@@ -11,13 +11,14 @@ seconds, all of the above) is measured, never part of a plan.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 from .base import StepPass, parse_system
 from .ir import StepPlan, StepProblem
 from .kept import keep_where_it_fits
-from .lower import Lowered, lower_or_fall_back
+from .lower import Lowered, cache_of, lower_or_fall_back
 from .pipeline import align_slots, build_schedule, verify_schedule
 from .pipesim import mb_parts, simulate_pipeline, stage_memory
 from .simulate import memory, simulate_step
@@ -53,9 +54,22 @@ def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify:
         return stage_memory(plan, sch, mb_parts(plan, lowered), lowered) if sch is not None else memory(plan, lowered)
     # with keep_kv, a micro-batch whose kept KV would exceed the cap does without it (step/kept.py)
     plan, lowered, peak, peak_mb = keep_where_it_fits(plan, lowered, peaks, problem.cap)
+    if problem.keep_kv and (peak > problem.cap).any():  # the system chose for kept KV: plan it without
+        return _without_kept(problem, sp, verify, t0)
     if verify:
         verify_lowered(plan, lowered, peak, peak_mb, problem.cap)
     report = simulate_pipeline(plan, lowered, sch) if sch is not None else simulate_step(plan, lowered)
     plan_s = time.perf_counter() - t0
     report["plan_s"] = plan_s
     return CompiledStep(plan, tuple(lowered), report, {"plan_s": plan_s})
+
+
+def _without_kept(problem: StepProblem, sp: StepPass, verify: bool, t0: float) -> CompiledStep:
+    """The step planned without ``keep_kv`` (its micro-batches chosen for plans that do not keep), the
+    reason in its ``info``: with kept KV, even where it fits (step/kept.py), a device exceeds the cap."""
+    plain = dataclasses.replace(problem, keep_kv=False, cache=cache_of(problem).without_kept())
+    c = compile_step(plain, sp, verify)
+    note = ("keep_kv", "the forward's KV is kept in no micro-batch: with it the step exceeds the memory cap")
+    plan = dataclasses.replace(c.plan, info=tuple(c.plan.info) + (note,))
+    report = {**c.report, "info": plan.info_dict(), "plan_s": time.perf_counter() - t0}
+    return CompiledStep(plan, c.lowered, report, {"plan_s": report["plan_s"]})

@@ -11,13 +11,18 @@ plans: :func:`keep_where_it_fits` instead lowers such micro-batches without
 ``keep_kv`` (recorded in :attr:`attnplan.step.ir.StepPlan.mb_unkept`) until
 every device is under the cap or no kept KV is left on the devices over it.
 
-The rule, one round after another: for every device over the cap, the
-micro-batch that sets its peak stops keeping if it keeps anything on that
-device; where it keeps nothing there (a pipeline's peak is also the KV that
-micro-batches in flight hold), the micro-batch keeping the most bytes on that
-device (ties: the lowest) stops. Each round drops at least one micro-batch,
-so it ends within as many rounds as there are micro-batches; what still
-exceeds the cap is refused as before (:func:`attnplan.step.verify.verify_lowered`).
+The rule, one round after another, for every device over the cap: the
+micro-batch that sets its peak stops keeping if it keeps (a plan that keeps
+may also be placed differently, so it may need more there even where it
+keeps nothing); where it does not keep (a pipeline's peak also counts the KV
+that micro-batches in flight hold), the one keeping the most bytes on that
+device stops (ties: the lowest). Each round drops at least one micro-batch, so it
+ends within as many rounds as there are micro-batches. Systems choose each
+micro-batch's strategy with the plans they see, so a step can still be over
+the cap where the same system without ``keep_kv`` would fit; then the step
+is planned without ``keep_kv`` at all (:func:`attnplan.step.driver.compile_step`,
+``info`` says so), and what still exceeds the cap is refused as before
+(:func:`attnplan.step.verify.verify_lowered`).
 """
 
 from __future__ import annotations
@@ -45,13 +50,13 @@ def culprits(plan: StepPlan, lowered: list, over: np.ndarray, peak_mb: np.ndarra
     keeping = [m for m in range(plan.n_mb) if plan.mb_keeps_kv(m)]
     for d in over.tolist():
         m = int(peak_mb[d])
-        if m >= 0 and plan.mb_keeps_kv(m) and _kept_on(plan, lowered[m], m, d) > 0:
+        if m >= 0 and plan.mb_keeps_kv(m):
             drop.add(m)
-            continue
-        held = [(-_kept_on(plan, lowered[k], k, d), k) for k in keeping]
-        held = [h for h in held if h[0] < 0]
-        if held:
-            drop.add(min(held)[1])
+        else:
+            held = [(-_kept_on(plan, lowered[k], k, d), k) for k in keeping]
+            held = [h for h in held if h[0] < 0]
+            if held:
+                drop.add(min(held)[1])
     return drop
 
 

@@ -318,5 +318,5 @@ def simulate_pipeline(plan: StepPlan, lowered: list[Lowered], sch: Schedule | No
                              "kind": sch.op_kind.tolist(), "stage_ptr": sch.op_ptr.tolist()},
                      "mb_start_s": start.tolist(), "mb_end_s": end.tolist()},
         "info": plan.info_dict(),
-        "kv_unkept": list(plan.mb_unkept),  # keep_kv: micro-batches over the cap with kept KV (step/kept.py)
+        "mb_unkept": list(plan.mb_unkept),  # keep_kv: micro-batches over the cap with kept KV (step/kept.py)
     }

@@ -200,5 +200,5 @@ def simulate_step(plan: StepPlan, lowered: list[Lowered]) -> dict:
                    "tokens": plan.mb_tokens().tolist(), "devices": [len(plan.mb_ranks(m)) for m in range(plan.n_mb)],
                    "strategy": list(plan.mb_strategy), "slot": plan.mb_slot.tolist()},
         "info": plan.info_dict(),
-        "kv_unkept": list(plan.mb_unkept),  # keep_kv: micro-batches over the cap with kept KV (step/kept.py)
+        "mb_unkept": list(plan.mb_unkept),  # keep_kv: micro-batches over the cap with kept KV (step/kept.py)
     }

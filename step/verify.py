@@ -247,7 +247,8 @@ def verify_attention(plan: StepPlan, irs) -> None:
             raise _fail(plan, f"micro-batch {m}: its attention plan has partials_dtype "
                               f"{ir.problem.partials_dtype} and keep_kv {ir.problem.keep_kv}, the step "
                               f"{p.partials_dtype} and {keep}"
-                              + (" (it is listed in mb_unkept)" if p.keep_kv and not keep else ""))
+                              + (" (it is listed in mb_unkept)" if p.keep_kv and not keep else
+                                 " (it is not listed in mb_unkept)" if p.keep_kv else ""))
         got = int(ir.need_graph().cb_pairs.sum())
         want = int(fp[ptr[m]:ptr[m + 1]].sum()) * p.model.heads
         if got != want:
