@@ -224,12 +224,8 @@ def _cmd_compile(args) -> int:
 
 def _kept_note(plan) -> str:
     """Where ``--keep-kv`` could not keep the forward's KV (step/kept.py), for the summary line."""
-    if "keep_kv" in plan.info_dict():
-        return "; forward KV kept in no micro-batch (over the memory cap with it)"
-    if plan.mb_unkept:
-        return (f"; forward KV not kept in {len(plan.mb_unkept)} of {plan.n_mb} micro-batches (over the memory cap "
-                f"with it)")
-    return ""
+    note = plan.kept_note()
+    return f"; {note.split(': ')[0]}" if note else ""
 
 
 def _cmd_show(args) -> int:

@@ -13,7 +13,7 @@ import re
 from ..errors import PlanError, StepError, VerifyError
 from .base import parse_system, system_names
 from .driver import CompiledStep, compile_step
-from .ir import StepProblem
+from .ir import StepProblem, kept_note
 
 COLUMNS = ("system", "micro_batches", "step_s", "lower_bound_s", "step_over_lower_bound", "dp_imbalance",
            "exposed_grad_s", "peak_memory_bytes", "memory_cap_bytes", "plan_s")
@@ -118,9 +118,9 @@ def format_rows(rows: list[dict], mesh=None) -> str:
         fallback = dict(r.get("info") or {}).get("fallback")
         if fallback:
             notes.append(f"* {r['system']}: {fallback}")
-        if r.get("mb_unkept"):
-            notes.append(f"  {r['system']}: forward KV not kept in {len(r['mb_unkept'])} of {r['micro_batches']} "
-                         f"micro-batches (over the memory cap with it)")
+        kept = kept_note(dict(r.get("info") or {}), r.get("mb_unkept"), r["micro_batches"])
+        if kept:
+            notes.append(f"  {r['system']}: {kept}")
         vs = f"{r['speedup_vs_fixed']:.2f}x" if "speedup_vs_fixed" in r else "-"
         name = r["system"] + ("*" if fallback else "")
         lines.append(f"{name:<{w}} {r['micro_batches']:>4} {r['step_s'] * 1e3:>9.1f} "

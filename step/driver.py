@@ -2,7 +2,8 @@
 
     system (batch pass) ── apply ──▶ StepPlan ── verify_plan
       ── lower every micro-batch (frontend + attention passes, verified after each pass; cached)
-      ── simulate the whole step, peak memory per device (with keep_kv: kept KV only where it fits, step/kept.py)
+      ── simulate the whole step, peak memory per device (with keep_kv: kept KV only where it fits, step/kept.py;
+         where that leaves some micro-batches keeping and some not, the step without keep_kv if it is faster)
       ── verify_lowered (plans match, memory under the cap)
 
 :func:`compile_step` returns a :class:`CompiledStep`; ``plan_s`` (wall
@@ -15,6 +16,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from ..errors import StepError
 from .base import StepPass, parse_system
 from .ir import StepPlan, StepProblem
 from .kept import keep_where_it_fits
@@ -59,17 +61,31 @@ def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify:
     if verify:
         verify_lowered(plan, lowered, peak, peak_mb, problem.cap)
     report = simulate_pipeline(plan, lowered, sch) if sch is not None else simulate_step(plan, lowered)
+    if plan.mb_unkept:  # some keep and some do not, as no system chose: the step without kept KV if faster
+        try:
+            plain = _without_kept(problem, sp, verify, t0, _SLOWER)
+            if plain.report["step_s"] < report["step_s"]:
+                return plain
+        except StepError:  # the system cannot plan the step without kept KV (its own sizing, the cap)
+            pass
     plan_s = time.perf_counter() - t0
     report["plan_s"] = plan_s
     return CompiledStep(plan, tuple(lowered), report, {"plan_s": plan_s})
 
 
-def _without_kept(problem: StepProblem, sp: StepPass, verify: bool, t0: float) -> CompiledStep:
-    """The step planned without ``keep_kv`` (its micro-batches chosen for plans that do not keep), the
-    reason in its ``info``: with kept KV, even where it fits (step/kept.py), a device exceeds the cap."""
+_OVER = "the forward's KV is kept in no micro-batch: with it the step exceeds the memory cap"
+_SLOWER = ("the forward's KV is kept in no micro-batch: kept only where it fits, the step is slower than "
+           "without it")
+
+
+def _without_kept(problem: StepProblem, sp: StepPass, verify: bool, t0: float, why: str = _OVER
+                  ) -> CompiledStep:
+    """The step planned without ``keep_kv`` (its micro-batches chosen for plans that do not keep), ``why``
+    in its ``info``: with kept KV, even where it fits (step/kept.py), a device exceeds the cap, or the
+    step that keeps it only in some micro-batches is slower."""
     plain = dataclasses.replace(problem, keep_kv=False, cache=cache_of(problem).without_kept())
     c = compile_step(plain, sp, verify)
-    note = ("keep_kv", "the forward's KV is kept in no micro-batch: with it the step exceeds the memory cap")
+    note = ("keep_kv", why)
     plan = dataclasses.replace(c.plan, info=tuple(c.plan.info) + (note,))
     report = {**c.report, "info": plan.info_dict(), "plan_s": time.perf_counter() - t0}
     return CompiledStep(plan, c.lowered, report, {"plan_s": report["plan_s"]})

@@ -113,6 +113,19 @@ class StepProblem:
                 + f"\n  seqlens [{shown}]")
 
 
+def kept_note(info: dict, unkept, n_mb: int) -> str:
+    """Where a step asked to keep the forward's KV (``keep_kv``) does not, and why, in a few words ("" where
+    it keeps it everywhere or was not asked to), from a plan's ``info``, ``mb_unkept`` and micro-batch count
+    (or a report row's): the lines of ``plan step compile``, ``compare`` and ``show``."""
+    why = info.get("keep_kv")
+    if why is not None:  # planned without keep_kv altogether (step/driver.py)
+        return f"forward KV kept in no micro-batch ({str(why).split(': ', 1)[-1]})"
+    if unkept:
+        return (f"forward KV not kept in {len(unkept)} of {n_mb} micro-batches (over the memory cap with it): "
+                f"{', '.join(map(str, unkept))}")
+    return ""
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class StepPlan:
     """A micro-batch plan of a :class:`StepProblem` (see the module doc)."""
@@ -146,6 +159,10 @@ class StepPlan:
     def mb_keeps_kv(self, m: int) -> bool:
         """Whether micro-batch ``m``'s attention keeps the forward's KV for its backward."""
         return self.problem.keep_kv and m not in self.mb_unkept
+
+    def kept_note(self) -> str:
+        """:func:`kept_note` of this plan."""
+        return kept_note(self.info_dict(), self.mb_unkept, self.n_mb)
 
     # sizes and views ------------------------------------------------------------------------------
     @property
@@ -207,8 +224,7 @@ class StepPlan:
         for key, value in self.info:
             lines.append(f"  {key} = {value}")
         if self.mb_unkept:
-            lines.append(f"  forward KV not kept (over the memory cap with it): micro-batches "
-                         f"{', '.join(map(str, self.mb_unkept))}")
+            lines.append(f"  {self.kept_note()}")
         ptr = self.mb_ptr()
         shown = 0
         for m in range(self.n_mb):

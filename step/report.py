@@ -195,7 +195,7 @@ def _table(rows: list[dict]) -> str:
             elif key == "speedup_vs_fixed":
                 s = f"{v:.2f}x"
             elif key == "micro_batches":
-                s = str(int(v))
+                s = str(int(v)) + _unkept_cell(r)
             elif key == "bubble_ratio":
                 s = f"{v:.1%}"
             else:
@@ -204,6 +204,13 @@ def _table(rows: list[dict]) -> str:
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>")
     return "".join(out)
+
+
+def _unkept_cell(r: dict) -> str:
+    """After a row's micro-batch count: how many do not keep the forward's KV where the step asked to."""
+    if "keep_kv" in dict(r.get("info") or {}):
+        return " (none keeps KV)"
+    return f" ({len(r['mb_unkept'])} without kept KV)" if r.get("mb_unkept") else ""
 
 
 STYLE = ("body{font:13px sans-serif;margin:16px;color:#222}table{border-collapse:collapse;margin:8px 0}"

@@ -200,10 +200,12 @@ def test_full_recompute_keeps_every_micro_batch():
     assert not c.plan.mb_unkept and all(low.ir.problem.keep_kv for low in c.lowered)
 
 
-def test_pipeline_drops_kept_kv_held_in_flight():
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5, 0.75, 0.9])
+def test_pipeline_drops_kept_kv_held_in_flight(share):
     """On a pipeline a stage's peak also counts the kept KV of micro-batches in flight: the rule
     (step/kept.py) drops keepers there until every stage is under a cap between the peaks with every
-    micro-batch keeping and with none."""
+    micro-batch keeping and with none, and every drop is needed (keeping any one again, the others as they
+    are, puts a stage over)."""
     from attnplan.step.kept import keep_where_it_fits
     from attnplan.step.lower import lower_mb
     from attnplan.step.pipeline import build_schedule
@@ -218,11 +220,21 @@ def test_pipeline_drops_kept_kv_held_in_flight():
     lo = int(peaks(none, [lower_mb(none, m) for m in range(none.n_mb)])[0].max())
     hi = int(peaks(c.plan, list(c.lowered))[0].max())
     assert lo < hi
-    plan, lowered, peak, _ = keep_where_it_fits(c.plan, list(c.lowered), peaks, (lo + hi) // 2)
-    assert plan.mb_unkept and len(plan.mb_unkept) < plan.n_mb and peak.max() <= (lo + hi) // 2
+    cap = int(lo + share * (hi - lo))
+    plan, lowered, peak, _ = keep_where_it_fits(c.plan, list(c.lowered), peaks, cap)
+    assert plan.mb_unkept and len(plan.mb_unkept) < plan.n_mb and peak.max() <= cap
     assert all(low.ir.problem.keep_kv == (m not in plan.mb_unkept) for m, low in enumerate(lowered))
     same = keep_where_it_fits(c.plan, list(c.lowered), peaks, hi)  # at the peak itself nothing is dropped
     assert same[0] is c.plan
+    _assert_each_drop_needed(plan, lowered, peaks, cap)
+
+
+def _assert_each_drop_needed(plan, lowered, peaks, cap):
+    """No micro-batch planned without kept KV could keep it, the others as they are, under ``cap``."""
+    from attnplan.step.lower import lower_mb
+    for m in plan.mb_unkept:
+        back = dataclasses.replace(plan, mb_unkept=tuple(k for k in plan.mb_unkept if k != m))
+        assert peaks(back, lowered[:m] + [lower_mb(back, m)] + lowered[m + 1:])[0].max() > cap, m
 
 
 def test_step_file_records_unkept_micro_batches():
@@ -261,12 +273,37 @@ def test_keep_kv_never_loses_a_step_that_fits_without_it(system, pp):
     hi = _capped(1 << 40, keep_kv=True, **run).report["peak_memory_bytes"]
     for cap in np.linspace(lo, hi, 5).astype(np.int64).tolist():
         try:
-            _capped(cap, **run)
+            plain = _capped(cap, **run)
         except Exception:
             continue  # the system's own sizing refuses at this cap, with or without kept KV
         c = _capped(cap, keep_kv=True, **run)
         assert c.report["peak_memory_bytes"] <= cap
-        if "keep_kv" in c.plan.info_dict():  # the whole step without kept KV
+        if "keep_kv" in c.plan.info_dict():  # the whole step without kept KV: the plan without the option
             assert not c.plan.problem.keep_kv and not any(low.kept.any() for low in c.lowered)
+            assert c.report["step_s"] == plain.report["step_s"] and c.plan.kept_note().startswith("forward KV kept "
+                                                                                                   "in no")
         else:
             assert all(low.ir.problem.keep_kv == c.plan.mb_keeps_kv(m) for m, low in enumerate(c.lowered))
+            if c.plan.mb_unkept:  # kept in some only where that is not slower than in none
+                assert c.report["step_s"] <= plain.report["step_s"]
+
+
+def test_unkept_notes_in_every_view():
+    """The one line of ``plan step compile``/``compare``/``show``, the html cell and the bench summary say
+    how many micro-batches do not keep, or that none does and why; nothing where every one keeps."""
+    from attnplan.step.ir import kept_note
+    from attnplan.step.report import _unkept_cell
+    from attnplan.tools.step_bench import _kept_lines
+    over = "the forward's KV is kept in no micro-batch: with it the step exceeds the memory cap"
+    assert kept_note({}, (), 8) == "" and kept_note({"keep_kv": over}, (), 8) == (
+        "forward KV kept in no micro-batch (with it the step exceeds the memory cap)")
+    assert kept_note({}, (3, 7), 8) == ("forward KV not kept in 2 of 8 micro-batches (over the memory cap with "
+                                        "it): 3, 7")
+    rows = [{"micro_batches": 8, "mb_unkept": [3, 7], "info": {}},
+            {"micro_batches": 5, "mb_unkept": [], "info": {"keep_kv": over}},
+            {"micro_batches": 4, "mb_unkept": [], "info": {}}, {"error": "x"}]
+    assert [_unkept_cell(r) for r in rows[:3]] == [" (2 without kept KV)", " (none keeps KV)", ""]
+    res: dict = {}
+    assert _kept_lines(rows, res) == ["forward KV not kept: 2 of 17 micro-batches in 1 steps (over the memory cap "
+                                      "with it); 1 steps planned without it (5 micro-batches)"]
+    assert res == {"mb_unkept": 2, "steps_unkept": 1} and _kept_lines(rows[2:], {}) == []

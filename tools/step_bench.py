@@ -94,6 +94,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _kept_lines(rows: list[dict], res: dict) -> list[str]:
+    """With ``--keep-kv``: the micro-batches planned without kept KV (over the memory cap with it) and the
+    steps planned without it altogether (step/kept.py, step/driver.py); nothing where every step keeps it."""
+    ok = [r for r in rows if "error" not in r]
+    unkept = [r for r in ok if r.get("mb_unkept")]
+    whole = [r for r in ok if "keep_kv" in dict(r.get("info") or {})]
+    if not unkept and not whole:
+        return []
+    res["mb_unkept"] = sum(len(r["mb_unkept"]) for r in unkept)
+    res["steps_unkept"] = len(whole)
+    return [f"forward KV not kept: {res['mb_unkept']} of {sum(r['micro_batches'] for r in ok)} micro-batches in "
+            f"{len(unkept)} steps (over the memory cap with it); {len(whole)} steps planned without it "
+            f"({sum(r['micro_batches'] for r in whole)} micro-batches)"]
+
+
 def summary(rows: list[dict]) -> tuple[list[str], dict]:
     """The acceptance items (text lines, numbers) over the batches of 512K tokens or more."""
     lines: list[str] = []
@@ -104,6 +119,7 @@ def summary(rows: list[dict]) -> tuple[list[str], dict]:
     lines.append(f"planned: {len(rows) - len(errors)} of {len(rows)} (batch, system) pairs; errors: {len(errors)}"
                  + (" — " + "; ".join(f"{r['batch']}/{r['system']}: {r['error'][:80]}" for r in errors[:5])
                     if errors else ""))
+    lines += _kept_lines(rows, res)
     big = sorted({r["batch"] for r in rows if r["budget"] >= BIG})
     best = {}
     for name in big:
