@@ -105,8 +105,12 @@ def _kept_lines(rows: list[dict], res: dict) -> list[str]:
     res["mb_unkept"] = sum(len(r["mb_unkept"]) for r in unkept)
     res["steps_unkept"] = len(whole)
     return [f"forward KV not kept: {res['mb_unkept']} of {sum(r['micro_batches'] for r in ok)} micro-batches in "
-            f"{len(unkept)} steps (over the memory cap with it); {len(whole)} steps planned without it "
-            f"({sum(r['micro_batches'] for r in whole)} micro-batches)"]
+            f"{_n(len(unkept), 'step')} (over the memory cap with it); {_n(len(whole), 'step')} planned without it "
+            f"({_n(sum(r['micro_batches'] for r in whole), 'micro-batch')})"]
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}" if k == 1 else f"{k} {noun}es" if noun.endswith("ch") else f"{k} {noun}s"
 
 
 def summary(rows: list[dict]) -> tuple[list[str], dict]:
