@@ -180,12 +180,12 @@ def _cmd_compare(args) -> int:
     names = system_list(args.systems)
     problem = _problem(args)
     mesh = problem.mesh
-    if args.html:
+    if args.html is not None:
         check_output(args.html, "step report")
     with _c_stdout_to_stderr():
         with progress(len(names), "planning") as advance:
             rows, done = compare_systems(problem, names, progress=advance)
-    if args.html:
+    if args.html is not None:
         from .step.report import render_step_html
         write_output(args.html, render_step_html(problem, rows, done), "step report")
     out = sys.stderr if args.html == "-" else sys.stdout   # stdout carries the HTML
@@ -207,6 +207,7 @@ def _cmd_compare(args) -> int:
 
 def _cmd_compile(args) -> int:
     from .step import compile_step, parse_system
+    from .step.mesh import gib
     from .step.stepfile import pack
     check_output(args.output, "step plan file", binary=True)
     parse_system(args.system)
@@ -217,7 +218,7 @@ def _cmd_compile(args) -> int:
     r = c.report
     print(f"wrote {where}: {c.plan.system}, {r['micro_batches']} micro-batches on {r['devices']} devices, step "
           f"{r['step_s'] * 1e3:.1f} ms ({r['step_over_lower_bound']:.3f} x lower bound), DP imbalance "
-          f"{r['dp_imbalance']:.3f}, peak {r['peak_memory_bytes'] / 2**30:.1f} of {r['memory_cap_bytes'] / 2**30:.0f} "
+          f"{r['dp_imbalance']:.3f}, peak {r['peak_memory_bytes'] / 2**30:.1f} of {gib(r['memory_cap_bytes'])} "
           f"GiB, planned in {r['plan_s']:.2f} s" + _kept_note(c.plan), file=summary_stream(args.output))
     return 0
 

@@ -114,11 +114,16 @@ def instantiate(cls, owner: str, options: str, err: type[Exception] = PlanError)
     systems are both written this way."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
-    for opt in filter(None, (o.strip() for o in options.split(","))):
+    opts = [o.strip() for o in options.split(",")] if options.strip() else []
+    for opt in opts:
         key, eq, val = opt.partition("=")
         key = key.strip()
+        if not opt:
+            raise err(f"{owner}: an empty option in {options[:60]!r}; write opt=value,opt=value")
         if not eq or key not in fields:
             raise err(f"{owner}: unknown option {opt[:60]!r}; options: {', '.join(fields) or '(none)'}")
+        if key in kwargs:
+            raise err(f"{owner}: option {key!r} given twice")
         kwargs[key] = _convert(owner, fields[key], val.strip(), err)
     try:
         return cls(**kwargs)
@@ -135,11 +140,11 @@ def parse_pipeline(spec: str) -> list[Pass]:
         item = item.strip()
         if not item:
             raise PlanError(f"pipeline {spec!r}: empty pass name")
-        name, _, rest = item.partition("{")
+        name, brace, rest = item.partition("{")
         name = name.strip()
         if name not in REGISTRY:
             raise PlanError(f"unknown pass {name!r}; known passes: {', '.join(sorted(REGISTRY))}")
-        if rest and not rest.endswith("}"):
+        if brace and not rest.endswith("}"):
             raise PlanError(f"pipeline item {item!r}: expected '}}' at the end")
         passes.append(instantiate(REGISTRY[name], f"pass {name}", rest[:-1], PlanError))
     return passes

@@ -96,11 +96,11 @@ def parse_system(spec) -> StepPass:
         return spec
     if not isinstance(spec, str) or not spec.strip() or len(spec) > 1000:
         raise StepError(f"a system is a name such as fixed or wlb{{micro=2}}, got {spec!r:.60}")
-    name, _, rest = spec.strip().partition("{")
+    name, brace, rest = spec.strip().partition("{")
     name = name.strip()
     if name not in SYSTEMS:
         raise StepError(f"unknown system {name[:40]!r}; known: {', '.join(SYSTEMS)}")
-    if rest and (not rest.endswith("}") or "{" in rest):
+    if brace and (not rest.endswith("}") or "{" in rest):
         raise StepError(f"system {spec[:60]!r}: expected name{{opt=value,...}}")
     return instantiate(SYSTEMS[name], f"system {name}", rest[:-1], StepError)
 

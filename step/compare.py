@@ -14,6 +14,7 @@ from ..errors import PlanError, StepError, VerifyError
 from .base import parse_system, system_names
 from .driver import CompiledStep, compile_step
 from .ir import StepProblem, kept_note
+from .mesh import gib
 
 COLUMNS = ("system", "micro_batches", "step_s", "lower_bound_s", "step_over_lower_bound", "dp_imbalance",
            "exposed_grad_s", "peak_memory_bytes", "memory_cap_bytes", "plan_s")
@@ -127,5 +128,5 @@ def format_rows(rows: list[dict], mesh=None) -> str:
                      f"{r['lower_bound_s'] * 1e3:>9.1f} {r['step_over_lower_bound']:>7.3f} {r['dp_imbalance']:>6.3f} "
                      + (f"{_pct(r.get('bubble_ratio')):>6} " if pipe else "")
                      + f"{r['exposed_grad_s'] * 1e3:>7.1f} {r['peak_memory_bytes'] / 2**30:>8.1f} "
-                     f"{r['memory_cap_bytes'] / 2**30:>5.0f} {r['plan_s']:>6.2f} {vs:>8}")
+                     f"{gib(r['memory_cap_bytes']):>5} {r['plan_s']:>6.2f} {vs:>8}")
     return "\n".join(lines + notes)

@@ -202,16 +202,31 @@ class AttentionCache:
 
 
 def choose_strategy(problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarray, option: str,
-                    adaptive: tuple[str, ...] = (), prefix: int = 0) -> str:
-    """The attention strategy of one micro-batch for a system's option: a strategy name as is;
-    ``adaptive``: the faster of the system's ``adaptive`` candidates; ``auto``: the fastest of all.
-    ``prefix``: the micro-batch is a later chunk of a document (:meth:`AttentionCache._place`)."""
-    if option not in ("adaptive", "auto"):
+                    adaptive: tuple[str, ...] = (), prefix: int = 0, fits=None) -> str:
+    """The attention strategy of one micro-batch for a system's option (:func:`choose_lowered`)."""
+    if option not in ("adaptive", "auto") and fits is None:
         return option
-    cache, nodes = cache_of(problem), group_nodes(problem.mesh, ranks)
+    return choose_lowered(problem, lens, ranks, option, adaptive, prefix, fits).strategy
+
+
+def choose_lowered(problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarray, option: str,
+                   adaptive: tuple[str, ...] = (), prefix: int = 0, fits=None) -> Lowered:
+    """The attention plan of one micro-batch for a system's option: a strategy name as is;
+    ``adaptive``: the faster of the system's ``adaptive`` candidates; ``auto``: the fastest of all.
+    ``fits`` (a predicate on a :class:`Lowered`, e.g. :func:`fits_alone`): the fastest the predicate
+    accepts, the last one tried where it accepts none (the caller checks). ``prefix``: the micro-batch is a
+    later chunk of a document (:meth:`AttentionCache._place`)."""
+    cache, nodes, heads = cache_of(problem), group_nodes(problem.mesh, ranks), heads_of(problem)
     if option == "auto":
-        return cache.auto(lens, len(ranks), nodes, heads_of(problem), prefix).strategy
-    return cache.best(lens, len(ranks), nodes, adaptive, heads_of(problem), prefix=prefix).strategy
+        return cache.auto(lens, len(ranks), nodes, heads, prefix, fits=fits)
+    if option != "adaptive":
+        return cache.get(lens, len(ranks), nodes, option, heads, prefix)
+    order = list(adaptive)
+    while True:
+        low = cache.best(lens, len(ranks), nodes, order, heads, prefix=prefix)
+        if fits is None or len(order) == 1 or fits(low):
+            return low
+        order = [s for s in order if s != low.strategy]
 
 
 def chunk_pieces(mask: MaskProgram, prefix: int, rows: int) -> Pieces:

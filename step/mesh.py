@@ -132,6 +132,11 @@ def _stage_layers(v, chunks: int) -> tuple:
 _SPEC = re.compile(r"\s*(dp|cp|pp|vp)\s*=\s*([0-9]{1,12})\s*")
 
 
+def gib(nbytes) -> str:
+    """Bytes as GiB for messages and tables: 80, 80.5, 0.5 (four significant digits), not rounded to 0."""
+    return f"{nbytes / 2**30:.4g}"
+
+
 def parse_mesh(text: str, devices_per_node: int = 8, **kw) -> Mesh:
     """``"dp=4,cp=8[,pp=2[,vp=2]]"`` → :class:`Mesh` (StepError naming the bad part)."""
     if not isinstance(text, str) or not text.strip() or len(text) > 200:

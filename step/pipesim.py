@@ -178,7 +178,8 @@ def bubble_ratio(sch: Schedule, ranks: list[np.ndarray], n: int, start: np.ndarr
             last[r] = np.maximum(last[r], np.nanmax(end[m]))
     used = np.isfinite(first)
     span = float((last[used] - first[used]).sum()) * P
-    return (float(1.0 - busy[:, used].sum() / span) if span > 0 else 0.0), busy
+    # max(0, ·): busy is at most stages · span, equal up to rounding where nothing idles
+    return (max(0.0, float(1.0 - busy[:, used].sum() / span)) if span > 0 else 0.0), busy
 
 
 def stage_memory(plan: StepPlan, sch: Schedule, parts: list[dict], lowered: list[Lowered]

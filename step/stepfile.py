@@ -206,7 +206,7 @@ def from_body(body: dict, source: str) -> LoadedStep:
             raise _fail(source, "malformed step file: problem.mesh has the wrong fields")
         mesh = Mesh(**md)
         prof = pb.get("profile")
-        if prof is not None and prof not in PROFILES:
+        if prof is not None and (not isinstance(prof, str) or prof not in PROFILES):
             raise _fail(source, f"problem.profile {str(prof)[:40]!r} is not a builtin profile")
         mask = parse_mask(_get(pb, "mask", str, "problem", source))
         packing = None if pb.get("packing") is None else _array(pb, "packing", "problem", source)

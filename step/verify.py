@@ -70,6 +70,8 @@ def _unkept(plan: StepPlan) -> None:
     if list(u) != sorted(set(u)) or (u and not 0 <= u[0] <= u[-1] < plan.n_mb):
         raise _fail(plan, f"mb_unkept must be ascending distinct micro-batches of 0..{plan.n_mb - 1}, got "
                           f"{list(u)[:8]}")
+    if "keep_kv" in plan.info_dict() and plan.problem.keep_kv:  # step/driver.py: planned without it altogether
+        raise _fail(plan, "info says the step was planned without keep_kv, but its problem keeps the forward's KV")
 
 
 def _shapes(plan: StepPlan) -> None:

@@ -267,6 +267,24 @@ def test_step_file_records_unkept_micro_batches():
         sf.unpack(_file(body), "x.step")
 
 
+@pytest.mark.parametrize("profile", [[1], {"a": 1}, 3, "nope"])
+def test_step_file_profile_of_another_type_is_refused(profile):
+    body = _body(sf.pack(_step()))
+    body["problem"]["profile"] = profile
+    with pytest.raises(PlanFileError, match="not a builtin profile"):
+        sf.unpack(_file(body), "x.step")
+
+
+def test_step_file_whose_info_and_unkept_list_disagree_is_refused():
+    """A step planned without keep_kv altogether (info keep_kv) keeps it nowhere: no unkept list beside it."""
+    kept_all, plain = _capped(1 << 40, keep_kv=True), _capped(1 << 40)
+    c = _capped((kept_all.report["peak_memory_bytes"] + plain.report["peak_memory_bytes"]) // 2, keep_kv=True)
+    body = _body(sf.pack(c))
+    body["plan"]["info"] = list(body["plan"]["info"]) + [["keep_kv", "fake"]]
+    with pytest.raises(PlanFileError, match="keep_kv"):
+        sf.unpack(_file(body), "x.step")
+
+
 @pytest.mark.parametrize("system", ["fixed", "wlb", "pool", "dyncp"])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_keep_kv_never_loses_a_step_that_fits_without_it(system, pp):
@@ -312,3 +330,36 @@ def test_unkept_notes_in_every_view():
     assert _kept_lines(rows, res) == ["forward KV not kept: 2 of 17 micro-batches in 1 step (over the memory cap "
                                       "with it); 1 step planned without it (5 micro-batches)"]
     assert res == {"mb_unkept": 2, "steps_unkept": 1} and _kept_lines(rows[2:], {}) == []
+
+
+# batches where pool's default was refused at some cap although a fixed count (the first) or minheap alone
+# (the second) planned: the token bound did not see the plans' buffers, adaptive chose a plan that did not fit
+POOL_CASES = [[1924, 202, 1455, 600, 1091, 1851, 568, 1457, 338, 658, 1940, 853, 1041, 600, 249, 860, 1254, 922,
+               1557, 738, 1233, 1550, 1836, 866, 98, 1442, 1066, 1746, 929, 748, 143],
+              [1501, 1772, 896, 1438, 434, 930, 1811, 776, 53, 1582, 620, 888, 1998, 786, 539, 482, 1701, 444, 1219,
+               489, 1615, 1441, 1268]]
+
+
+@pytest.mark.parametrize("lens", POOL_CASES, ids=["count", "inner"])
+def test_pool_plans_wherever_one_of_its_variants_does(lens):
+    """pool's default (micro=0: the fewest micro-batches that fit; inner=adaptive) sees each micro-batch's
+    plan: at caps from the step's peak down, wherever a fixed count or a fixed inner strategy plans the
+    step, the default plans it too, under the cap."""
+    top = _capped(1 << 40, lens=lens, system="pool").report["peak_memory_bytes"]
+    variants = ["pool{micro=2}", "pool{micro=3}", "pool{micro=4}", "pool{inner=minheap}", "pool{inner=hypergraph}"]
+    planned_by_variant_too = 0
+    for cap in np.linspace(top * 0.9, top, 9).astype(np.int64).tolist():
+        others = []
+        for v in variants:
+            try:
+                others.append(_capped(cap, lens=lens, system=v))
+            except StepError:
+                continue
+        try:
+            c = _capped(cap, lens=lens, system="pool")
+        except StepError:
+            assert not others, f"cap {cap}: pool refused where {[o.plan.system for o in others]} planned"
+            continue
+        assert c.report["peak_memory_bytes"] <= cap
+        planned_by_variant_too += bool(others)
+    assert planned_by_variant_too

@@ -211,10 +211,26 @@ def test_registry_takes_a_new_system():
 @pytest.mark.parametrize("spec,match", [("nope", "unknown system"), ("wlb{micro=x}", "micro must be int"),
                                         ("wlb{inner=warp}", "inner must be"), ("pool{mikro=1}", "unknown option"),
                                         ("fixed{micro=0}", "micro must be an integer"),
-                                        ("wlb{outlier=2}", "outlier must be in"), ("wlb{micro=1", "expected name")])
+                                        ("wlb{outlier=2}", "outlier must be in"), ("wlb{micro=1", "expected name"),
+                                        ("wlb{", "expected name"), ("fixed{", "expected name"),
+                                        ("wlb{,}", "empty option"), ("wlb{micro=2,,inner=auto}", "empty option"),
+                                        ("wlb{micro=2,micro=3}", "given twice")])
 def test_bad_system_text(spec, match):
     with pytest.raises(StepError, match=match):
         parse_system(spec)
+
+
+def test_chunkflow_refuses_more_chunks_than_it_can_plan_in_bounded_time():
+    """A chunk so small that one replica would run more than MAX_CHUNKS chunks is refused at once, naming a
+    chunk that would do; one just above it plans."""
+    from attnplan.step.systems.chunkflow import MAX_CHUNKS
+    p = make_problem([6000, 3000, 900], model="qwen2.5-0.5b", mesh=Mesh(2, 4))
+    with pytest.raises(StepError, match=f"over {MAX_CHUNKS:,}; give a larger chunkflow") as e:
+        compile_step(p, "chunkflow{chunk=1}")
+    need = int(str(e.value).split("at least ")[1].split(" ")[0].replace(",", ""))
+    assert need > 1
+    plan = compile_step(p, f"chunkflow{{chunk={need + 16}}}").plan
+    assert np.bincount(plan.mb_group).max() <= MAX_CHUNKS
 
 
 def test_cli_compare(capsys):

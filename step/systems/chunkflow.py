@@ -146,6 +146,9 @@ def check_cuttable(problem: StepProblem, length: int) -> None:
                         f"document look ahead: give chunkflow{{chunk=...}} at least the longest document")
 
 
+MAX_CHUNKS = 256  # chunks a replica's pipeline may run in one step (each one an attention plan: 10-50 ms here)
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkFlow(StepPass):
     name = "chunkflow"
@@ -181,6 +184,12 @@ class ChunkFlow(StepPass):
             work = doc_seconds(problem)
             sizes = np.array([sum(work[d] for d in {d for c in u[1] for d, _, _ in c}) for u in units])
         replica = assign_replicas(sizes, mesh.dp)
+        per_replica = np.bincount(replica, weights=[len(u[1]) for u in units], minlength=mesh.dp)
+        if per_replica.max(initial=0) > MAX_CHUNKS:  # each chunk is an attention plan to lower: bounded time
+            held = np.bincount(replica, weights=[sum(e - s for c in u[1] for _, s, e in c) for u in units])
+            raise StepError(f"chunkflow: {int(per_replica.max()):,} chunks of {chunk:,} tokens on one replica, over "
+                            f"{MAX_CHUNKS:,}; give a larger chunkflow{{chunk=...}} (at least "
+                            f"{-(-int(held.max()) // MAX_CHUNKS):,} tokens here)")
         frags: list[tuple[int, int, int, int]] = []  # (doc, start, end, micro-batch)
         mb_slot: list[int] = []
         mb_rep: list[int] = []

@@ -10,6 +10,7 @@ import numpy as np
 from ...errors import StepError
 from ..ir import StepProblem
 from ..model import activation_per_token, stage_static_bytes, static_bytes
+from ..mesh import gib
 
 PLAN_MARGIN = 0.97  # share of the free memory the planners fill (the attention plans' buffers take the rest)
 
@@ -34,7 +35,7 @@ def tokens_per_device(problem: StepProblem) -> int:
     free = problem.cap - static - mesh.reserve
     if free <= 0:
         where = f"{mesh.stage_devices} devices" + (f" a stage ({mesh.pp} stages)" if mesh.pp > 1 else "")
-        raise StepError(f"{m.name} does not fit on {where} of {problem.cap / 2**30:.0f} GiB: its weights, "
+        raise StepError(f"{m.name} does not fit on {where} of {gib(problem.cap)} GiB: its weights, "
                         f"gradients and sharded optimizer states take {static / 2**30:.1f} GiB a device")
     return int(PLAN_MARGIN * free // activation_per_token(m, mesh.recompute))
 
@@ -70,7 +71,7 @@ def check_fits(problem: StepProblem, docs: np.ndarray, devices: int, what: str) 
     if len(big):
         d = int(big[np.argmax(problem.seqlens[big])])
         raise StepError(f"{what}: document {d} ({int(problem.seqlens[d]):,} tokens) does not fit a group of {devices} "
-                        f"devices of {problem.cap / 2**30:.0f} GiB ({cap:,} tokens at most)")
+                        f"devices of {gib(problem.cap)} GiB ({cap:,} tokens at most)")
 
 
 def greedy_fill(order: np.ndarray, size: np.ndarray, work: np.ndarray, bins: int, cap: int,

@@ -106,7 +106,7 @@ from ...ir.limits import MAX_MICRO_BATCHES
 from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
-from ..mesh import Mesh
+from ..mesh import Mesh, gib
 from ..simulate import doc_seconds
 from .common import micro_tokens
 
@@ -148,7 +148,7 @@ def refuse_unfit(problem: StepProblem, need: np.ndarray, cap: int, what: str) ->
         d = int(bad[np.argmax(problem.seqlens[bad])])
         n = problem.mesh.stage_devices
         raise StepError(f"{what}: document {d} ({int(problem.seqlens[d]):,} tokens) does not fit a group of {n} "
-                        f"devices of {problem.cap / 2**30:.0f} GiB ({cap * n:,} tokens at most)")
+                        f"devices of {gib(problem.cap)} GiB ({cap * n:,} tokens at most)")
 
 
 def layout(sizes: list[int]) -> list[np.ndarray]:

@@ -78,6 +78,7 @@ from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
 from ..model import LINEAR_BWD_FACTOR
+from ..mesh import gib
 from ..simulate import rates, work_factors
 from .common import micro_tokens, tokens_per_device
 
@@ -143,7 +144,7 @@ class Gds(StepPass):
         if lens.max() > cap:
             d = int(np.argmax(lens))
             raise StepError(f"gds: document {d} ({int(lens[d]):,} tokens) does not fit a micro-batch of at most "
-                            f"{cap:,} tokens (a CP group of {mesh.cp} devices of {problem.cap / 2**30:.0f} GiB, "
+                            f"{cap:,} tokens (a CP group of {mesh.cp} devices of {gib(problem.cap)} GiB, "
                             f"DACP's slack {slack})")
         c1, c2 = skrull_coefficients(problem)
         cost = c1 * lens + c2 * lens.astype(float) ** 2

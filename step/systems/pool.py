@@ -12,7 +12,12 @@ Choices the survey leaves open, made here:
   step's tokens under the memory bound (one on the suite's batches); the
   documents are spread over them longest first, each into the micro-batch of
   least work whose tokens still fit (:func:`common.greedy_fill`; work as in
-  ``wlb``). They run one after another on every device (one slot each).
+  ``wlb``). They run one after another on every device (one slot each). The
+  token bound does not see an attention plan's buffers (nor the KV it keeps),
+  so without pipeline stages each micro-batch's plan is checked against the
+  cap with that micro-batch alone (:func:`attnplan.step.lower.fits_alone`):
+  ``adaptive`` takes the faster candidate that fits, and ``micro=0`` one more
+  micro-batch while a plan does not (at most ``MORE_MICRO`` more).
 * Documents keep their data order inside a micro-batch (the placement
   strategy decides where each token goes).
 * The pool spans nodes: its attention traffic crosses the inter-node links
@@ -30,11 +35,12 @@ from ...errors import StepError
 from ...ir.limits import MAX_DEVICES, MAX_MICRO_BATCHES
 from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
-from ..lower import check_option, choose_strategy
+from ..lower import check_option, choose_lowered, fits_alone
 from ..simulate import doc_seconds
 from .common import greedy_fill, members, micro_tokens
 
 ADAPTIVE = ("minheap", "hypergraph")
+MORE_MICRO = 8  # micro-batches micro=0 adds beyond the token bound's count where plans do not fit (each one lowered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +67,28 @@ class Pool(StepPass):
         work = doc_seconds(problem)
         order = np.lexsort((np.arange(problem.docs), -lens))
         micro = self.micro or max(1, -(-problem.tokens // cap))
+        # without stages, a micro-batch's devices hold at least its own plan's activations (fits_alone); the
+        # token bound above does not see a plan's buffers, so micro=0 takes one micro-batch more until every
+        # micro-batch's plan fits (at most MORE_MICRO more), and adaptive takes the faster plan that fits
+        fits = fits_alone(problem) if mesh.pp == 1 else None
+        ranks = np.arange(n, dtype=np.int64)
+        first = micro
         while True:
             where = greedy_fill(order, lens, work, micro, cap)
-            if (where >= 0).all():
+            last = self.micro or micro >= min(problem.docs, MAX_MICRO_BATCHES)
+            if not (where >= 0).all():
+                if last:
+                    d = int(np.flatnonzero(where < 0)[0])
+                    raise StepError(f"pool: document {d} ({int(lens[d]):,} tokens) does not fit in any of {micro} "
+                                    f"micro-batches of at most {cap:,} tokens; give more (pool{{micro=N}})")
+                micro += 1
+                continue
+            docs = [d for d in members(where, micro) if len(d)]
+            low = [choose_lowered(problem, tuple(lens[d].tolist()), ranks, self.inner, ADAPTIVE, fits=fits)
+                   for d in docs]
+            if last or fits is None or micro >= first + MORE_MICRO or all(fits(x) for x in low):
                 break
-            if self.micro or micro >= min(problem.docs, MAX_MICRO_BATCHES):
-                d = int(np.flatnonzero(where < 0)[0])
-                raise StepError(f"pool: document {d} ({int(lens[d]):,} tokens) does not fit in any of {micro} "
-                                f"micro-batches of at most {cap:,} tokens; give more (pool{{micro=N}})")
             micro += 1
-        docs = [d for d in members(where, micro) if len(d)]
-        ranks = np.arange(n, dtype=np.int64)
-        inner = [choose_strategy(problem, tuple(lens[d].tolist()), ranks, self.inner, ADAPTIVE) for d in docs]
+        inner = [x.strategy for x in low]
         return build_plan(problem, self.spec(), docs, [ranks] * len(docs), np.arange(len(docs)), inner,
                           info=[("max_tokens", cap)])

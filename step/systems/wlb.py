@@ -54,6 +54,7 @@ from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
 from ..simulate import doc_seconds
 from .common import deal_balanced, greedy_fill, members, micro_tokens
+from ..mesh import gib
 
 ADAPTIVE = ("zigzag", "per_doc")
 
@@ -99,7 +100,7 @@ class Wlb(StepPass):
         if lens.max() > lmax:
             d = int(np.argmax(lens))
             raise StepError(f"wlb: document {d} ({int(lens[d]):,} tokens) does not fit a micro-batch of at most "
-                            f"{lmax:,} tokens (a CP group of {mesh.cp} devices of {problem.cap / 2**30:.0f} GiB)")
+                            f"{lmax:,} tokens (a CP group of {mesh.cp} devices of {gib(problem.cap)} GiB)")
         work = doc_seconds(problem)
         micro = self.micro or max(1, -(-problem.tokens // (lmax * mesh.dp)))  # the fewest that can hold the tokens
         while True:
