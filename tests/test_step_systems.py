@@ -233,6 +233,17 @@ def test_chunkflow_refuses_more_chunks_than_it_can_plan_in_bounded_time():
     assert np.bincount(plan.mb_group).max() <= MAX_CHUNKS
 
 
+def test_pool_with_too_few_micro_batches_names_the_count_it_needs():
+    """pool{micro=N} with fewer micro-batches than the step's tokens need says how many it needs (not a
+    document that happened to be placed last); with enough it plans."""
+    p = make_problem([4096] * 128, model="llama3-8b", mesh=Mesh(4, 8, memory_cap=40 << 30))
+    with pytest.raises(StepError, match=r"524,288 tokens do not fit in 2 micro-batches of at most [\d,]+ tokens; "
+                                        r"give at least (\d+)") as e:
+        compile_step(p, "pool{micro=2}")
+    need = int(str(e.value).split("give at least ")[1].split(" ")[0])
+    assert need > 2 and compile_step(p, f"pool{{micro={need}}}").plan.n_mb == need
+
+
 def test_cli_compare(capsys):
     assert main(["step", "compare", "--seqlens", "9000,300,200,4000,100,2500", "--mesh", "dp=2,cp=2",
                  "--model", "qwen2.5-0.5b", "--json"]) == 0

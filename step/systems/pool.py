@@ -77,6 +77,10 @@ class Pool(StepPass):
             where = greedy_fill(order, lens, work, micro, cap)
             last = self.micro or micro >= min(problem.docs, MAX_MICRO_BATCHES)
             if not (where >= 0).all():
+                if last and problem.tokens > micro * cap:
+                    raise StepError(f"pool: the step's {problem.tokens:,} tokens do not fit in {micro} micro-batches "
+                                    f"of at most {cap:,} tokens; give at least {-(-problem.tokens // cap)} "
+                                    f"(pool{{micro=N}}, or micro=0: the fewest that fit)")
                 if last:
                     d = int(np.flatnonzero(where < 0)[0])
                     raise StepError(f"pool: document {d} ({int(lens[d]):,} tokens) does not fit in any of {micro} "
