@@ -16,7 +16,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from ..errors import StepError
+from ..errors import PlanError, StepError
 from .base import StepPass, parse_system
 from .ir import StepPlan, StepProblem
 from .kept import keep_where_it_fits
@@ -66,7 +66,7 @@ def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify:
             plain = _without_kept(problem, sp, verify, t0, _SLOWER)
             if plain.report["step_s"] < report["step_s"]:
                 return plain
-        except StepError:  # the system cannot plan the step without kept KV (its own sizing, the cap)
+        except (StepError, PlanError):  # the system cannot plan the step without kept KV (its sizing, the cap)
             pass
     plan_s = time.perf_counter() - t0
     report["plan_s"] = plan_s

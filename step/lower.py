@@ -194,6 +194,13 @@ class AttentionCache:
             except PlanError:
                 continue
         order = sorted(bounds, key=lambda s: (bounds[s], s)) or list(strategies())
+        return self.best_fitting(lens, devices, nodes, order, heads, bounds, prefix, fits)
+
+    def best_fitting(self, lens, devices, nodes, candidates, heads, bounds: dict | None = None, prefix: int = 0,
+                     fits=None) -> Lowered:
+        """:meth:`best` of ``candidates`` that ``fits`` (a predicate on a :class:`Lowered`) accepts: the next
+        fastest where it refuses one; the last one tried where it refuses every candidate (the caller checks)."""
+        order = list(candidates)
         while True:
             low = self.best(lens, devices, nodes, order, heads, bounds, prefix)
             if fits is None or len(order) == 1 or fits(low):
@@ -202,11 +209,12 @@ class AttentionCache:
 
 
 def choose_strategy(problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarray, option: str,
-                    adaptive: tuple[str, ...] = (), prefix: int = 0, fits=None) -> str:
-    """The attention strategy of one micro-batch for a system's option (:func:`choose_lowered`)."""
-    if option not in ("adaptive", "auto") and fits is None:
+                    adaptive: tuple[str, ...] = (), prefix: int = 0) -> str:
+    """The attention strategy of one micro-batch for a system's option (:func:`choose_lowered`; a strategy
+    name as is, without lowering it here)."""
+    if option not in ("adaptive", "auto"):
         return option
-    return choose_lowered(problem, lens, ranks, option, adaptive, prefix, fits).strategy
+    return choose_lowered(problem, lens, ranks, option, adaptive, prefix).strategy
 
 
 def choose_lowered(problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarray, option: str,
@@ -221,12 +229,7 @@ def choose_lowered(problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarra
         return cache.auto(lens, len(ranks), nodes, heads, prefix, fits=fits)
     if option != "adaptive":
         return cache.get(lens, len(ranks), nodes, option, heads, prefix)
-    order = list(adaptive)
-    while True:
-        low = cache.best(lens, len(ranks), nodes, order, heads, prefix=prefix)
-        if fits is None or len(order) == 1 or fits(low):
-            return low
-        order = [s for s in order if s != low.strategy]
+    return cache.best_fitting(lens, len(ranks), nodes, adaptive, heads, prefix=prefix, fits=fits)
 
 
 def chunk_pieces(mask: MaskProgram, prefix: int, rows: int) -> Pieces:

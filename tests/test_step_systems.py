@@ -316,6 +316,14 @@ class _Ulysses3(StepPass):
         return build_plan(problem, self.spec(), [list(range(problem.docs))], [[0, 1, 2]], [0], ["ulysses"])
 
 
+def test_pool_with_an_inner_strategy_its_pool_cannot_lower_gives_way_too():
+    """pool checks its micro-batches' plans against the cap; a named ``inner`` that cannot lower on the pool
+    (ulysses, 4 query heads over 3 devices) still takes the shared fallback rather than refusing the step."""
+    c = compile_step(problem([40, 30, 9, 70], 1, 3, 3), "pool{inner=ulysses}")
+    assert c.plan.mb_strategy[0] != "ulysses" and "ulysses cannot run on its 3 devices" in c.plan.info_dict()[
+        "fallback"]
+
+
 def test_a_strategy_its_group_cannot_lower_gives_way_and_the_table_says_so():
     from attnplan.step.compare import compare_systems, format_rows
     p = problem([40, 30, 9, 70], 1, 3, 3)

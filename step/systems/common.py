@@ -9,8 +9,8 @@ import numpy as np
 
 from ...errors import StepError
 from ..ir import StepProblem
-from ..model import activation_per_token, stage_static_bytes, static_bytes
 from ..mesh import gib
+from ..model import activation_per_token, stage_static_bytes, static_bytes
 
 PLAN_MARGIN = 0.97  # share of the free memory the planners fill (the attention plans' buffers take the rest)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import StepError
+from ...errors import PlanError, StepError
 from ...ir.limits import MAX_DEVICES, MAX_MICRO_BATCHES
 from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
@@ -88,11 +88,20 @@ class Pool(StepPass):
                 micro += 1
                 continue
             docs = [d for d in members(where, micro) if len(d)]
-            low = [choose_lowered(problem, tuple(lens[d].tolist()), ranks, self.inner, ADAPTIVE, fits=fits)
-                   for d in docs]
-            if last or fits is None or micro >= first + MORE_MICRO or all(fits(x) for x in low):
+            low = [self._lowered(problem, tuple(lens[d].tolist()), ranks, fits) for d in docs]
+            if last or fits is None or micro >= first + MORE_MICRO or all(x is None or fits(x) for x in low):
                 break
             micro += 1
-        inner = [x.strategy for x in low]
+        inner = [self.inner if x is None else x.strategy for x in low]
         return build_plan(problem, self.spec(), docs, [ranks] * len(docs), np.arange(len(docs)), inner,
                           info=[("max_tokens", cap)])
+
+    def _lowered(self, problem: StepProblem, lens: tuple[int, ...], ranks: np.ndarray, fits):
+        """A micro-batch's plan for ``inner`` (:func:`choose_lowered`); None where a named strategy cannot
+        lower on the pool (its name stays: the step's fallback, ``lower_or_fall_back``, takes one that can)."""
+        try:
+            return choose_lowered(problem, lens, ranks, self.inner, ADAPTIVE, fits=fits)
+        except PlanError:
+            if self.inner in ("adaptive", "auto"):
+                raise
+            return None

@@ -52,9 +52,9 @@ from ...ir.limits import MAX_MICRO_BATCHES
 from ..base import StepPass, check_int
 from ..ir import StepPlan, StepProblem, build_plan
 from ..lower import check_option, choose_strategy
+from ..mesh import gib
 from ..simulate import doc_seconds
 from .common import deal_balanced, greedy_fill, members, micro_tokens
-from ..mesh import gib
 
 ADAPTIVE = ("zigzag", "per_doc")
 
