@@ -17,7 +17,8 @@ import numpy as np
 from ..errors import PlanError
 from ..ir.groups import ungroup
 from ..ir.program import KINDS, PHASES, T_BYTES, T_DST, T_HG, T_KIND, T_PHASE, T_SRC, T_TB
-from .panels import panel_data
+from .floor import placement_floor
+from .panels import panel_data, plan_profile
 
 
 def _mb(x: float) -> str:
@@ -53,7 +54,8 @@ def explain(plan, device: int | None = None, profile=None, top: int = 3, data: d
     one = device is not None
     out = [_headline(plan, d)]
     for paragraph in (_device_paragraph(plan, d, focus, one, top), _transfer_paragraph(plan, d, focus, one, top),
-                      _exposed_paragraph(d["timeline"], focus, one), _cost_paragraph(d, focus, one)):
+                      _exposed_paragraph(d["timeline"], focus, one),
+                      _cost_paragraph(d, focus, one) + _floor_lines(plan, d, profile)):
         out.append("")
         out.extend(paragraph)
     return "\n".join(out)
@@ -232,3 +234,16 @@ def _cost_paragraph(d: dict, focus: int, one: bool) -> list[str]:
                    f"{_t(L['compute_s'][last])}, waiting {_t(L['wait_s'][last])}, idle {_t(idle)}"
                    + (f" (phase makespan {_t(L['makespan_s'])})" if one else ""))
     return out
+
+
+def _floor_lines(plan, d: dict, profile) -> list[str]:
+    """The placement floor (:mod:`attnplan.backends.floor`) against the bound and the prediction."""
+    s = d["stats"]
+    f = placement_floor(plan.ir, plan_profile(plan, profile))
+    lb = s["lower_bound_s"]
+    binds = ", ".join(f"{ph} by {max(f[ph], key=f[ph].get)}" for ph in ("fwd", "bwd"))
+    over = f" ({f['floor_s'] / lb:.2f}× the bound)" if lb > 0 else ""
+    fl = f["floor_s"]
+    rest = f"; the schedule, latency and launches add {s['predicted_s'] / fl:.2f}×" if fl > 0 else ""
+    return [f"  placement floor {_t(f['floor_s'])}{over}: the least this placement allows with no latency, no "
+            f"launches and every link busy ({binds}){rest}"]

@@ -25,6 +25,13 @@ head dim 128, block 2048, h100 profile, every strategy of ``--strategies``
    ``GRID_GRAINS`` × ``cross`` of ``GRID_CROSS``, with and without the
    in-node tree, best per batch — what choosing span's parameters per batch
    could reach at most.
+4. **Each strategy's placement floor** (:mod:`attnplan.backends.floor`):
+   what its placement allows at best, whatever the schedule — per phase its
+   busiest device's kernel work or its busiest queue's bytes at full
+   bandwidth, no latency, no launches — beside what its plan predicts, both
+   over the bound: a strategy whose floor is already above a target cannot reach it
+   by scheduling, and predicted / floor is what latency, launches and
+   imperfect overlap cost it.
 
     .venv/bin/python benchmarks/gap.py [--devices 32] [--names a,b] [--strategies S]
         [--partials-dtype bfloat16] [--keep-kv] [--grid] [--json out/gap.json]
@@ -44,6 +51,7 @@ import numpy as np
 import attnplan
 from attnplan.backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, simulate
 from attnplan.backends.walk import run_starts
+from attnplan.backends.floor import placement_floor
 from attnplan.ir.program import ATTN, ATTN_BWD, BWD, FWD, OP, PHASES
 
 BATCHES = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "batches.jsonl"
@@ -133,6 +141,7 @@ def main() -> None:
     base = get_profile("h100")
     profiles = knockouts(base)
     best_terms, ratios, grid = {}, {label: [] for label in profiles}, []
+    floors: dict[str, list[tuple[float, float]]] = {}  # strategy -> (predicted, placement floor) over LB, per batch
     print(f"{a.devices} devices, {len(names)} batches, options {options}", file=sys.stderr)
     head = ("batch", "best", "pred/LB", "fwd: extra launch merge wait (runs)", "bwd: extra launch merge wait (runs)")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -143,6 +152,8 @@ def main() -> None:
         sims = {label: {s: simulate(p.ir, prof) for s, p in plans.items()} for label, prof in profiles.items()}
         for label, by_s in sims.items():
             ratios[label].append(min(v["predicted_s"] for v in by_s.values()) / lb)
+        for s, p in plans.items():
+            floors.setdefault(s, []).append((sims["h100"][s]["predicted_s"] / lb, placement_floor(p.ir, base)["floor_s"] / lb))
         win = min(sims["h100"], key=lambda s: (sims["h100"][s]["predicted_s"], s))
         t = last_device_terms(plans[win].ir, base, sims["h100"][win])
         best_terms[name] = {"strategy": win, "pred_over_lb": sims["h100"][win]["predicted_s"] / lb, **t}
@@ -159,10 +170,15 @@ def main() -> None:
     if grid:
         print(f"| h100, span's grain x cross searched per batch | {summary(grid)} | "
               f"{sum(x <= 1.5 for x in grid)} of {len(grid)} |")
+    print("\n| strategy | predicted / LB, median (worst) | placement floor / LB, median (worst) | "
+          "predicted / floor, median |\n|---|---|---|---|")
+    for s, v in floors.items():
+        print(f"| {s} | {summary([p for p, _ in v])} | {summary([f for _, f in v])} | "
+              f"{statistics.median(p / f for p, f in v):.2f} |")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"devices": a.devices, "options": options, "best": best_terms,
-                                            "profiles": ratios, "grid": grid}, indent=1))
+                                            "profiles": ratios, "grid": grid, "floors": floors}, indent=1))
 
 
 def _split(text: str) -> list[str]:
