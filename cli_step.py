@@ -85,7 +85,8 @@ def add_step_parser(sub) -> None:
     cp.add_argument("--systems", default="all", help="comma-separated systems (options in braces: wlb{micro=2}), "
                     "or all")
     cp.add_argument("--json", action="store_true")
-    cp.add_argument("--html", default=None, help="write the step report (per-rank timeline of every system) here")
+    cp.add_argument("--html", default=None, help="write the step report (per-rank timeline of every system) here; "
+                    "- writes it to stdout, the table to stderr")
     co = ss.add_parser("compile", help="one system's step plan file: micro-batches, groups, attention plans")
     _problem_args(co)
     co.add_argument("--system", default="fixed", help="the batch-level system, e.g. wlb or pool{micro=2}")
@@ -181,6 +182,8 @@ def _cmd_compare(args) -> int:
     problem = _problem(args)
     mesh = problem.mesh
     if args.html is not None:
+        if args.json and args.html == "-":
+            raise StepError("--json with --html -: both would go to stdout; give the report a file name")
         check_output(args.html, "step report")
     with _c_stdout_to_stderr():
         with progress(len(names), "planning") as advance:

@@ -160,6 +160,10 @@ def test_compare_html_on_the_command_line(tmp_path, capsys):
                      str(tmp_path / "missing" / "r.html")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "plan: error:" in err
+    # the report on stdout: the table goes to stderr, but JSON asked for as well is refused before any work
+    assert cli.main(["step", "compare", "--seqlens", "700,300", "--mesh", "dp=2,cp=2", "--json", "--html", "-"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "both would go to stdout" in err
 
 
 def test_c_level_stdout_of_a_solver_goes_to_stderr_while_systems_plan(capfd):
