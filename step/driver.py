@@ -40,6 +40,12 @@ def pipelined(plan: StepPlan) -> bool:
     return plan.problem.mesh.pp > 1 or plan.chunk_keep >= 1
 
 
+def step_peaks(plan: StepPlan, lowered: list[Lowered], sch=None) -> tuple:
+    """Peak bytes per device and the micro-batch that sets each: per pipeline stage under the schedule
+    ``sch`` (:func:`build_schedule`, where :func:`pipelined`), else per rank."""
+    return stage_memory(plan, sch, mb_parts(plan, lowered), lowered) if sch is not None else memory(plan, lowered)
+
+
 def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify: bool = True) -> CompiledStep:
     """Plan ``problem`` with ``system`` (a name, ``name{opt=value}`` text or a pass), lower, verify, simulate."""
     t0 = time.perf_counter()
@@ -53,7 +59,7 @@ def compile_step(problem: StepProblem, system: str | StepPass = "fixed", verify:
         verify_schedule(plan, sch)
 
     def peaks(plan: StepPlan, lowered: list) -> tuple:
-        return stage_memory(plan, sch, mb_parts(plan, lowered), lowered) if sch is not None else memory(plan, lowered)
+        return step_peaks(plan, lowered, sch)
     # with keep_kv, a micro-batch whose kept KV would exceed the cap does without it (step/kept.py)
     plan, lowered, peak, peak_mb = keep_where_it_fits(plan, lowered, peaks, problem.cap)
     if problem.keep_kv and (peak > problem.cap).any():  # the system chose for kept KV: plan it without

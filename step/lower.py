@@ -61,6 +61,18 @@ class Lowered:
     def predicted_s(self) -> float:
         return float(self.fwd_finish.max() + self.bwd_finish.max())
 
+    @classmethod
+    def of(cls, ir: PlanIR, strategy: str, sim: dict | None = None) -> Lowered:
+        """``ir`` (emitted) lowered: tokens, buffers and kept bytes from its programs; times from ``sim``
+        (a :func:`simulate` result; None: zeros, for what needs only the memory, as a loaded step file)."""
+        g, prog, n = ir.need_graph(), ir.need_program(), ir.devices
+        buffers = np.array([max(int(prog.buffers[FWD][i][:, BBYTES].sum()), int(prog.buffers[BWD][i][:, BBYTES].sum()))
+                            for i in range(n)], dtype=np.int64)
+        zero = np.zeros(n)
+        times = [zero] * 4 if sim is None else [np.asarray(sim[ph][k]) for k in ("finish_s", "compute_s")
+                                                for ph in ("fwd", "bwd")]
+        return cls(ir, strategy, query_tokens(ir, n), *times, buffers, int(g.cb_pairs.sum()), prog.kept_bytes())
+
 
 class AttentionCache:
     """Memo of lowered micro-batches (a pure function of the key; see the module doc)."""
@@ -134,14 +146,7 @@ class AttentionCache:
         self.compiles += 1
         ir = run_pipeline(placed, parse_pipeline(pipeline_text(strategy, self.block_size))[2:])
         self._placed.pop((lens, devices, nodes, strategy, heads, prefix), None)
-        sim = simulate(ir, self.profile)
-        g, prog = ir.need_graph(), ir.need_program()
-        tokens = query_tokens(ir, devices)
-        buffers = np.array([max(int(prog.buffers[FWD][i][:, BBYTES].sum()), int(prog.buffers[BWD][i][:, BBYTES].sum()))
-                            for i in range(devices)], dtype=np.int64)
-        return Lowered(ir, strategy, tokens, np.asarray(sim["fwd"]["finish_s"]), np.asarray(sim["bwd"]["finish_s"]),
-                       np.asarray(sim["fwd"]["compute_s"]), np.asarray(sim["bwd"]["compute_s"]), buffers,
-                       int(g.cb_pairs.sum()), prog.kept_bytes())
+        return Lowered.of(ir, strategy, simulate(ir, self.profile))
 
     def bound(self, lens, devices, nodes, strategy, heads, prefix: int = 0) -> float:
         """A lower bound of ``strategy``'s predicted attention time, from its placement alone: the busiest

@@ -15,8 +15,9 @@ body is read; the body's inflated size is counted against
 every field is checked before anything is built; the problem is rebuilt by
 :func:`make_problem` (its own checks), the plan verified
 (:func:`verify_plan`), every attention plan loaded by the plan-file reader
-(schema and verifier) and matched to its micro-batch
-(:func:`verify_attention`). Every failure is one :class:`PlanFileError`
+(schema and verifier) and matched to its micro-batch, and every device's
+peak memory recomputed from them against the stored cap
+(:func:`verify_lowered`, as :func:`compile_step` checks). Every failure is one :class:`PlanFileError`
 naming the file and the field. The file is a pure function of the compile
 inputs: compiling the same step twice gives the same bytes.
 """
@@ -40,13 +41,13 @@ from ..errors import AttnplanError, PlanFileError
 from ..frontend import parse_mask
 from ..ir import limits as L
 from ..ir.module import PlanIR
-from .driver import CompiledStep
+from .driver import CompiledStep, pipelined, step_peaks
 from .ir import StepPlan
-from .lower import cache_of, make_problem, pipeline_text
+from .lower import Lowered, cache_of, make_problem, pipeline_text
 from .mesh import Mesh
 from .pipeline import build_schedule
 from .model import model_from_dict
-from .verify import verify_attention, verify_plan
+from .verify import verify_lowered, verify_plan
 
 MAGIC = b"ATTNSTEP"
 FORMAT_VERSION = 1
@@ -247,12 +248,20 @@ def from_body(body: dict, source: str) -> LoadedStep:
                 raise _fail(source, f"malformed step file: attention[{i}] is not a plan file")
             irs.append(unpack_plan(data, f"{source}: attention plan {i}")[0])
         attention = tuple(irs[int(j)] for j in index)
-        verify_attention(plan, attention)
+        _verify_memory(plan, attention)
     except PlanFileError:
         raise
     except AttnplanError as e:
         raise _fail(source, f"step plan does not verify: {str(e).splitlines()[0]}") from None
     return LoadedStep(plan, attention)
+
+
+def _verify_memory(plan: StepPlan, attention: tuple) -> None:
+    """The attention plans match their micro-batches and every device's peak memory, recomputed from
+    them, stays under the cap the step was compiled for (what :func:`compile_step` checked)."""
+    lowered = [Lowered.of(ir, s) for ir, s in zip(attention, plan.mb_strategy)]
+    peak, peak_mb = step_peaks(plan, lowered, build_schedule(plan) if pipelined(plan) else None)
+    verify_lowered(plan, lowered, peak, peak_mb, plan.problem.cap)
 
 
 def unpack(data: bytes, source: str = "<bytes>") -> LoadedStep:

@@ -86,6 +86,33 @@ def test_crafted_bodies(compiled, edit, match):
         sf.unpack(_file(body), "x.step")
 
 
+def test_memory_is_checked_again_on_load(compiled):
+    """A file whose cap was lowered below what its plans need (edited, or written for another machine) is
+    refused on load, as compile_step refuses such a step, naming the device and the cap."""
+    body = _body(sf.pack(compiled))
+    peak = int(compiled.report["peak_memory_bytes"])
+    assert 1 << 20 < peak <= compiled.plan.problem.cap
+    body["problem"]["mesh"]["memory_cap"] = 1 << 20
+    with pytest.raises(PlanFileError, match=r"does not verify: device \d+ needs .* over its cap of 0\.0 GiB"):
+        sf.unpack(_file(body), "x.step")
+    body["problem"]["mesh"]["memory_cap"] = compiled.plan.problem.cap  # the compiled cap loads again
+    assert sf.unpack(_file(body), "x.step").plan.n_mb == compiled.plan.n_mb
+    body["problem"]["mesh"]["memory_cap"] = peak  # exactly what the step needs: still under (not over) the cap
+    assert sf.unpack(_file(body), "x.step").plan.n_mb == compiled.plan.n_mb
+
+
+def test_a_pipelined_step_file_loads_with_its_stage_memory():
+    p = make_problem([70, 9, 33, 4, 51, 18, 2, 60, 12], model=TINY, mesh=Mesh(1, 2, 2, devices_per_node=4),
+                     block_size=16)
+    c = compile_step(p, "fixed")
+    back = sf.unpack(sf.pack(c))
+    assert back.plan.problem.mesh.pp == 2 and len(back.attention) == c.plan.n_mb
+    body = _body(sf.pack(c))
+    body["problem"]["mesh"]["memory_cap"] = 1 << 20
+    with pytest.raises(PlanFileError, match="over its cap"):
+        sf.unpack(_file(body), "x.step")
+
+
 def test_attention_plan_of_another_micro_batch(compiled):
     body = _body(sf.pack(compiled))
     if len(body["attention"]) < 2:
