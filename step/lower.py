@@ -68,10 +68,11 @@ class Lowered:
         g, prog, n = ir.need_graph(), ir.need_program(), ir.devices
         buffers = np.array([max(int(prog.buffers[FWD][i][:, BBYTES].sum()), int(prog.buffers[BWD][i][:, BBYTES].sum()))
                             for i in range(n)], dtype=np.int64)
-        zero = np.zeros(n)
-        times = [zero] * 4 if sim is None else [np.asarray(sim[ph][k]) for k in ("finish_s", "compute_s")
-                                                for ph in ("fwd", "bwd")]
-        return cls(ir, strategy, query_tokens(ir, n), *times, buffers, int(g.cb_pairs.sum()), prog.kept_bytes())
+        def times(ph: str, key: str) -> np.ndarray:
+            return np.zeros(n) if sim is None else np.asarray(sim[ph][key])
+        return cls(ir, strategy, query_tokens(ir, n), times("fwd", "finish_s"), times("bwd", "finish_s"),
+                   times("fwd", "compute_s"), times("bwd", "compute_s"), buffers, int(g.cb_pairs.sum()),
+                   prog.kept_bytes())
 
 
 class AttentionCache:
