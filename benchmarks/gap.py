@@ -50,8 +50,8 @@ import numpy as np
 
 import attnplan
 from attnplan.backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, simulate
-from attnplan.backends.walk import run_starts
 from attnplan.backends.floor import placement_floor
+from attnplan.backends.walk import run_starts
 from attnplan.ir.program import ATTN, ATTN_BWD, BWD, FWD, OP, PHASES
 
 BATCHES = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "batches.jsonl"
@@ -62,7 +62,7 @@ GRID_GRAINS = (1, 1.1, 1.25, 1.5, 2, 3, 4)
 GRID_CROSS = (0, 1.2, 1.5, 2)
 
 
-def knockouts(base) -> dict:
+def knockouts(base, fair: bool = False) -> dict:
     """The profile variants of item 2, by label."""
     r = dataclasses.replace
     return {
@@ -73,6 +73,7 @@ def knockouts(base) -> dict:
         "no launches": r(base, name="gap", launch_s=0.0),
         "no latency, no launches": r(base, name="gap", intra_alpha=0.0, inter_alpha=0.0, launch_s=0.0),
         "2x inter-node bandwidth": r(base, name="gap", inter_bw=2 * base.inter_bw),
+        **({"fair links": r(base, name="gap", links="fair")} if fair else {}),
     }
 
 
@@ -131,6 +132,7 @@ def main() -> None:
     ap.add_argument("--partials-dtype", default="float32")
     ap.add_argument("--keep-kv", action="store_true")
     ap.add_argument("--grid", action="store_true", help="also search span's grain x cross per batch (item 3)")
+    ap.add_argument("--fair", action="store_true", help="also simulate with links='fair' (minutes)")
     ap.add_argument("--json", help="write every number here")
     a = ap.parse_args()
     records = [json.loads(line) for line in Path(a.batches).read_text().splitlines() if line.strip()]
@@ -139,7 +141,7 @@ def main() -> None:
     options = {"partials_dtype": a.partials_dtype, "keep_kv": a.keep_kv}
     strategies = _split(a.strategies)
     base = get_profile("h100")
-    profiles = knockouts(base)
+    profiles = knockouts(base, a.fair)
     best_terms, ratios, grid = {}, {label: [] for label in profiles}, []
     floors: dict[str, list[tuple[float, float]]] = {}  # strategy -> (predicted, placement floor) over LB, per batch
     print(f"{a.devices} devices, {len(names)} batches, options {options}", file=sys.stderr)
