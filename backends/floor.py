@@ -8,10 +8,10 @@ one compute stream, one send and one receive queue per device, a message
 
 * ``compute``: the busiest device's kernel work (tile-rounded, no launches);
 * ``recv``: the busiest receive queue — every block a device computes with
-  but does not home passes its queue once, at the in-node bandwidth at best;
-  and per node, each block that some device of the node needs from another
-  node crosses into it at least once at the inter-node bandwidth, the rest of
-  the node's inbound bytes at the in-node one, spread evenly over its
+  but does not home passes its queue once, at the faster link's bandwidth at
+  best; and per node, each block that some device of the node needs from
+  another node crosses into it at least once at the inter-node bandwidth, the
+  rest of the node's inbound bytes at the faster one, spread evenly over its
   devices' queues;
 * ``send``: the same for the partial outputs a device computes for other
   homes (each leaves its device once: alone, or summed with others of its
@@ -53,8 +53,8 @@ def queue_seconds(parts: list, at: int, n: int, per_node: int, prof: Profile) ->
     kind = np.repeat(np.arange(len(parts)), [len(r) for r, _ in parts])
     dev = rows[:, at]
     fair = prof.links == "fair"  # NVLink and NIC ports apart: a device may use both at once
-    device = float(np.bincount(dev, weights=nbytes, minlength=n).max()) / (
-        prof.intra_bw + prof.inter_bw if fair else prof.intra_bw)
+    fast = prof.intra_bw + prof.inter_bw if fair else max(prof.intra_bw, prof.inter_bw)  # a byte's best rate
+    device = float(np.bincount(dev, weights=nbytes, minlength=n).max()) / fast
     nodes = max(1, n // per_node)
     node, other = dev // per_node, rows[:, 5 - at] // per_node
     cross = node != other
@@ -63,9 +63,9 @@ def queue_seconds(parts: list, at: int, n: int, per_node: int, prof: Profile) ->
     once = np.bincount(node[cross][first], weights=nbytes[cross][first], minlength=nodes)
     total = np.bincount(node, weights=nbytes, minlength=nodes)
     if fair:
-        node_s = np.maximum(once / prof.inter_bw, total / (prof.intra_bw + prof.inter_bw))
+        node_s = np.maximum(once / prof.inter_bw, total / fast)
     else:
-        node_s = once / prof.inter_bw + (total - once) / prof.intra_bw
+        node_s = once / prof.inter_bw + (total - once) / fast
     return max(device, float((node_s / per_node).max()))
 
 
