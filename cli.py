@@ -85,15 +85,19 @@ def _load_batch(args):
     return parse_batch_text(args.seqlens) if args.seqlens is not None else load_batch(args.batch)
 
 
-def _shape_args(p, nodes: bool = True, profile_help: str = "cost profile: h100, h200, a100, cpu-local, or FILE.json"):
+def _shape_args(p, nodes: bool = True,
+                profile_help: str = "cost profile: h100 (default), h200, a100, cpu-local, or FILE.json"):
     """Model and machine shape options shared by compile-like commands."""
     if nodes:
-        p.add_argument("--nodes", type=POSITIVE_DEVICES, default=1)
-    p.add_argument("--heads", type=_int_in(1, limits.MAX_HEADS), default=8)
+        p.add_argument("--nodes", type=POSITIVE_DEVICES, default=1,
+                       help="nodes the devices spread over evenly (default 1): links across them are the slow ones")
+    p.add_argument("--heads", type=_int_in(1, limits.MAX_HEADS), default=8, help="query heads (default 8)")
     p.add_argument("--kv-heads", type=_int_in(1, limits.MAX_HEADS), default=None, help="default: --heads")
-    p.add_argument("--head-dim", type=_int_in(1, limits.MAX_HEAD_DIM), default=64)
-    p.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--head-dim", type=_int_in(1, limits.MAX_HEAD_DIM), default=64, help="default 64")
+    p.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048,
+                   help="tokens per block of the tile pass (default 2048)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of Q, K, V (default bfloat16)")
     p.add_argument("--partials-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype partial outputs travel in between devices: float32 (default) or --dtype (half the "
                         "bytes of the backward's partial dK/dV, each partial rounded once)")
@@ -143,13 +147,15 @@ def _add_compile(sub) -> None:
     _batch_args(c)
     c.add_argument("--mask", default="causal", help="builtin name, mask expression, or FILE.mask (default: causal)")
     c.add_argument("--devices", type=POSITIVE_DEVICES, required=True, help=f"devices, 1..{limits.MAX_DEVICES}")
-    _shape_args(c, profile_help="cost profile for predicted times (h100, h200, a100, cpu-local, or FILE.json)")
+    _shape_args(c, profile_help="cost profile for predicted times (h100, the default; h200, a100, cpu-local, or "
+                                "FILE.json)")
     c.add_argument("--memory-cap", type=_int_in(1, limits.MAX_MEMORY_CAP), default=None,
-                   help="bytes of buffers per device and phase")
+                   help="bytes of buffers per device and phase the verifier holds the plan to (default: no cap)")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--strategy", default="zigzag", help="a strategy, auto, NAME{options} (e.g. 'span{grain=2}'), "
                    "or either as NAME:VARIANT (the strategy under another comm step: p2p, relay, direct, ring, "
-                   "allgather, allgather_ring, a2a)")
+                   "allgather, allgather_ring, a2a); default zigzag, the deployed baseline — auto compiles the "
+                   "one predicted fastest")
     g.add_argument("--pipeline", help="pass pipeline, e.g. 'tile{block=1024},zigzag,comm,emit'")
     c.add_argument("--no-verify", action="store_true", help="skip the verifier between passes")
     c.add_argument("-v", "--verbose", action="store_true", help="print each pass and its time")
@@ -162,7 +168,7 @@ def _add_inspect(sub) -> None:
     s = sub.add_parser("stats", help="statistics of a plan")
     s.add_argument("plan")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--profile", default=None)
+    s.add_argument("--profile", default=None, help="cost profile for predicted times (default: the plan's)")
 
     sh = sub.add_parser("show", help="text form of a plan's programs")
     sh.add_argument("plan")
@@ -186,7 +192,7 @@ def _add_inspect(sub) -> None:
     ex = sub.add_parser("explain", help="short text account: most loaded device and why, transfers, waits, cost")
     ex.add_argument("plan")
     ex.add_argument("--device", type=int, default=None, help="explain this device (default: the most loaded)")
-    ex.add_argument("--profile", default=None)
+    ex.add_argument("--profile", default=None, help="cost profile (default: the plan's)")
 
 
 def _add_run(sub) -> None:
