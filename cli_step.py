@@ -48,22 +48,27 @@ def _gib(text: str) -> int:
     return int(float(t) * 2**30)
 
 
+PROFILE_HELP = "cost profile: h100 (default), h200, a100, cpu-local, or FILE.json"
+
+
 def _problem_args(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--seqlens", help="comma-separated document lengths, e.g. 60000,3000,900")
     src.add_argument("--batch", help="batch file (JSON or JSONL) or FILE:NAME for one line of a JSONL file")
-    p.add_argument("--model", default="llama3-8b", help="preset (llama3-8b, llama3-70b, qwen2.5-0.5b, qwen2.5-7b, "
-                   "gpt-7b, llama-13b) or FILE.json")
+    p.add_argument("--model", default="llama3-8b", help="preset (llama3-8b, the default; llama3-70b, qwen2.5-0.5b, "
+                   "qwen2.5-7b, gpt-7b, llama-13b) or FILE.json")
     p.add_argument("--mesh", required=True, help="dp=D,cp=C[,pp=P[,vp=V]]: pp pipeline stages, vp model chunks "
                    "per stage (interleaved 1F1B)")
     p.add_argument("--stage-layers", default=None, help="layers of every model chunk (pp x vp of them), e.g. "
                    "9,8,8,7 (default: as even as possible)")
     p.add_argument("--nodes", type=_int_in(1, limits.MAX_MESH_DEVICES), default=None,
                    help="nodes the mesh spans (default: 8 devices a node)")
-    p.add_argument("--profile", default="h100", help="cost profile: h100, h200, a100, cpu-local, or FILE.json")
+    p.add_argument("--profile", default="h100", help=PROFILE_HELP)
     p.add_argument("--mask", default="causal", help="the documents' mask (default: causal)")
-    p.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
-    p.add_argument("--recompute", default="full", choices=["full", "none"], help="activation recompute")
+    p.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048,
+                   help="tokens per block of the attention plans' tile pass (default 2048)")
+    p.add_argument("--recompute", default="full", choices=["full", "none"],
+                   help="activation recompute (default full: each layer keeps its input, recomputes the rest)")
     p.add_argument("--memory", type=_gib, default=None, help="GiB per device (default: the profile's)")
     _attention_args(p)
 
@@ -100,10 +105,12 @@ def add_step_parser(sub) -> None:
     bn.add_argument("--batches", default=None, help="JSONL of batches (default: ../shared/workloads/batches.jsonl)")
     bn.add_argument("--names", default=None, help="comma-separated batch names to keep")
     bn.add_argument("--systems", default="all", help="comma-separated systems (options in braces), or all")
-    bn.add_argument("--model", default="llama3-8b", help="preset or FILE.json")
-    bn.add_argument("--profile", default="h100", help="cost profile: h100, h200, a100, cpu-local, or FILE.json")
-    bn.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048)
-    bn.add_argument("--recompute", default="full", choices=["full", "none"], help="activation recompute")
+    bn.add_argument("--model", default="llama3-8b", help="preset (default llama3-8b) or FILE.json")
+    bn.add_argument("--profile", default="h100", help=PROFILE_HELP)
+    bn.add_argument("--block-size", type=_int_in(1, limits.MAX_BLOCK_SIZE), default=2048,
+                    help="tokens per block of the attention plans' tile pass (default 2048)")
+    bn.add_argument("--recompute", default="full", choices=["full", "none"],
+                    help="activation recompute (default full)")
     _attention_args(bn)
     bn.add_argument("--pp", type=_int_in(1, 64), default=1, help="pipeline stages (each 4 nodes x 8 devices)")
     bn.add_argument("--vp", type=_int_in(1, 64), default=1, help="model chunks per stage (interleaved 1F1B)")
