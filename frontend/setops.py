@@ -153,6 +153,9 @@ def intersect(a: Pieces, b: Pieces, budget: Budget) -> Pieces:
         return Pieces.empty()
     if len(a) < len(b):
         a, b = b, a
+    if len(a) == 1:  # one piece each (a term of a long union): no chunks, no containment test
+        budget.charge(OP_COST + _ROW_PASSES, "an intersection of 1 and 1 pieces")
+        return a.intersect(b)
     if len(b) == 1 and _inside(a.a, b.a[0]):  # a constant-true side (``h < 4``), a window inside causal: a itself
         budget.charge(OP_COST + _ROW_PASSES * len(a), "an intersection with a piece that holds the other side")
         return a

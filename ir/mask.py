@@ -23,12 +23,17 @@ Q0, Q1, K0, K1, LO, HI = range(6)
 _CHUNK = 1 << 20  # max pairs materialized at once by pairwise ops
 
 
+_SMALL = 8  # pieces: below this, Python integers beat numpy's per-call overhead (the union of 10,000 terms)
+
+
 def tighten(a: np.ndarray) -> np.ndarray:
     """Tighten pieces in place (int64 ``[n, 6]``); return the mask of non-empty rows.
 
     After this, every row ``q`` in ``[q0, q1)`` and every column in ``[k0, k1)``
     of a non-empty piece has at least one allowed pair, and ``lo``/``hi`` are
     finite. Bounds only move inwards, so a row found empty stays empty."""
+    if len(a) <= _SMALL:
+        return _tighten_rows(a)
     for _ in range(2):
         a[:, LO] = np.maximum(a[:, LO], a[:, K0] - (a[:, Q1] - 1))
         a[:, HI] = np.minimum(a[:, HI], (a[:, K1] - 1) - a[:, Q0])
@@ -37,6 +42,27 @@ def tighten(a: np.ndarray) -> np.ndarray:
         a[:, K0] = np.maximum(a[:, K0], a[:, Q0] + a[:, LO])
         a[:, K1] = np.minimum(a[:, K1], a[:, Q1] + a[:, HI])
     return (a[:, Q0] < a[:, Q1]) & (a[:, K0] < a[:, K1]) & (a[:, LO] <= a[:, HI])
+
+
+def _tighten_rows(a: np.ndarray) -> np.ndarray:
+    """:func:`tighten` row by row on Python integers: the same steps, the same results (every bound is
+    within ``±INF``, so no step leaves int64), without numpy's cost per call on a few rows."""
+    rows = a.tolist()
+    keep = []
+    for r in rows:
+        q0, q1, k0, k1, lo, hi = r
+        for _ in range(2):
+            lo = max(lo, k0 - (q1 - 1))
+            hi = min(hi, (k1 - 1) - q0)
+            q0 = max(q0, k0 - hi)
+            q1 = min(q1, k1 - lo)
+            k0 = max(k0, q0 + lo)
+            k1 = min(k1, q1 + hi)
+        r[:] = q0, q1, k0, k1, lo, hi
+        keep.append(q0 < q1 and k0 < k1 and lo <= hi)
+    if rows:
+        a[:] = rows
+    return np.array(keep, dtype=bool)
 
 
 def tight(a: np.ndarray) -> bool:
@@ -271,6 +297,11 @@ class Pieces:
         return Pieces(a)
 
     def intersect(self, other: Pieces) -> Pieces:
+        if len(self.a) == 1 == len(other.a):  # one piece each (a term of a long union): Python integers
+            x, y = self.a[0].tolist(), other.a[0].tolist()
+            row = np.array([[max(x[Q0], y[Q0]), min(x[Q1], y[Q1]), max(x[K0], y[K0]), min(x[K1], y[K1]),
+                             max(x[LO], y[LO]), min(x[HI], y[HI])]], np.int64)
+            return Pieces(row[_tighten_rows(row)])
         i, j = _pairwise(self.a, other.a)
         return Pieces(normalize(intersect_rows(self.a[i], other.a[j])))
 

@@ -98,10 +98,13 @@ def test_forward_launches_have_distinct_rows(spec):
 @pytest.mark.parametrize("name", ["varlen-ref", "math"])
 @pytest.mark.parametrize("mask", MASKS)
 def test_device_kernels_equal_dense(kernel, name, mask):
-    """Every strategy's plan, run by the GPU paths' kernels on CPU, equals dense attention (bf16 and fp32)."""
+    """Strategies' plans, run by the GPU paths' kernels on CPU, equal dense attention (bf16 and fp32): on
+    each mask four of the eight strategies, a window that moves by three, so that each kernel runs every
+    strategy on two to four masks (all eight on every mask took 45 s of the suite)."""
     kernel(name)
     varlen.COUNTS.clear()
-    for strategy in STRATEGIES:
+    i = MASKS.index(mask)
+    for strategy in (STRATEGIES * 2)[i * 3 % len(STRATEGIES):][:4]:
         plan = attnplan.compile([300, 77, 130, 41], mask=mask, devices=4, heads=4, kv_heads=2, head_dim=16,
                                 strategy=strategy, block_size=64)
         for dtype in ("float32", "bfloat16"):

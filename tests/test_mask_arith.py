@@ -525,3 +525,33 @@ def test_example_directory_lists_the_gym_ports():
     have = {os.path.basename(p) for p in glob.glob(str(MASKS / "gym_*.mask"))}
     assert {f"{n}.mask" for n in GYM if n.startswith("gym_")} <= have
     assert MAX_MASK_PIECES >= 1 << 20  # the examples' piece counts stay far below the limit
+
+
+_COORD = st.integers(-300, 300)
+_PIECE = st.tuples(_COORD, _COORD, _COORD, _COORD, st.one_of(_COORD, st.just(-(1 << 62))),
+                   st.one_of(_COORD, st.just(1 << 62)))  # a band side may be unbounded (±INF), as the language makes
+
+
+@settings(max_examples=200)
+@given(st.lists(_PIECE, min_size=1, max_size=10), _PIECE)
+def test_the_small_piece_paths_equal_the_array_paths(rows, other):
+    """tighten on a few rows (Python integers) and the intersection of one piece with one piece are the
+    array code's results, bound for bound, on any pieces (empty, inverted, unbounded bands)."""
+    from attnplan.ir import mask
+    a = np.array(rows, np.int64)
+    x, y = a.copy(), a.copy()
+    keep = mask._tighten_rows(x)
+    for _ in range(2):  # the array steps of tighten, spelled out
+        y[:, mask.LO] = np.maximum(y[:, mask.LO], y[:, mask.K0] - (y[:, mask.Q1] - 1))
+        y[:, mask.HI] = np.minimum(y[:, mask.HI], (y[:, mask.K1] - 1) - y[:, mask.Q0])
+        y[:, mask.Q0] = np.maximum(y[:, mask.Q0], y[:, mask.K0] - y[:, mask.HI])
+        y[:, mask.Q1] = np.minimum(y[:, mask.Q1], y[:, mask.K1] - y[:, mask.LO])
+        y[:, mask.K0] = np.maximum(y[:, mask.K0], y[:, mask.Q0] + y[:, mask.LO])
+        y[:, mask.K1] = np.minimum(y[:, mask.K1], y[:, mask.Q1] + y[:, mask.HI])
+    want = (y[:, mask.Q0] < y[:, mask.Q1]) & (y[:, mask.K0] < y[:, mask.K1]) & (y[:, mask.LO] <= y[:, mask.HI])
+    assert (keep == want).all() and (x == y).all()
+    one, two = Pieces(mask.normalize(a[:1])), Pieces(mask.normalize(np.array([other], np.int64)))
+    if len(one) and len(two):
+        i, j = mask._pairwise(one.a, two.a)
+        general = mask.normalize(mask.intersect_rows(one.a[i], two.a[j]))
+        assert np.array_equal(one.intersect(two).a, general)
