@@ -27,12 +27,14 @@ demo: $(STAMP)
 	$(BIN)/plan run out/demo.plan --check --dtype bfloat16
 	$(BIN)/plan run out/demo.plan --procs 4 --check
 
-# lint + types, then every test: the fast tier and the slow one (processes, training, browser).
+# lint + types, then every test: the fast tier and the slow one (processes, training, browser),
+# on two pytest workers (TEST_WORKERS=0: in this process, one test at a time).
+TEST_WORKERS ?= 2
 test: lint
-	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 test-fast: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -m "not slow"
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow"
 
 # ruff, and mypy on the installed layout (the repository root is the package `attnplan`).
 lint: $(STAMP)
