@@ -44,25 +44,30 @@ def tighten(a: np.ndarray) -> np.ndarray:
     return (a[:, Q0] < a[:, Q1]) & (a[:, K0] < a[:, K1]) & (a[:, LO] <= a[:, HI])
 
 
-def _tighten_rows(a: np.ndarray) -> np.ndarray:
-    """:func:`tighten` row by row on Python integers: the same steps, the same results (every bound is
+def tighten_row(q0: int, q1: int, k0: int, k1: int, lo: int, hi: int) -> tuple[int, int, int, int, int, int]:
+    """One piece tightened on Python integers: :func:`tighten`'s steps, the same results (every bound is
     within ``±INF``, so no step leaves int64), without numpy's cost per call on a few rows."""
-    rows = a.tolist()
-    keep = []
-    for r in rows:
-        q0, q1, k0, k1, lo, hi = r
-        for _ in range(2):
-            lo = max(lo, k0 - (q1 - 1))
-            hi = min(hi, (k1 - 1) - q0)
-            q0 = max(q0, k0 - hi)
-            q1 = min(q1, k1 - lo)
-            k0 = max(k0, q0 + lo)
-            k1 = min(k1, q1 + hi)
-        r[:] = q0, q1, k0, k1, lo, hi
-        keep.append(q0 < q1 and k0 < k1 and lo <= hi)
+    for _ in range(2):
+        lo = max(lo, k0 - (q1 - 1))
+        hi = min(hi, (k1 - 1) - q0)
+        q0 = max(q0, k0 - hi)
+        q1 = min(q1, k1 - lo)
+        k0 = max(k0, q0 + lo)
+        k1 = min(k1, q1 + hi)
+    return q0, q1, k0, k1, lo, hi
+
+
+def nonempty_row(r: tuple) -> bool:
+    """Whether a tightened piece (:func:`tighten_row`) holds a pair."""
+    return r[0] < r[1] and r[2] < r[3] and r[4] <= r[5]
+
+
+def _tighten_rows(a: np.ndarray) -> np.ndarray:
+    """:func:`tighten` on a few rows, row by row (:func:`tighten_row`)."""
+    rows = [tighten_row(*r) for r in a.tolist()]
     if rows:
         a[:] = rows
-    return np.array(keep, dtype=bool)
+    return np.array([nonempty_row(r) for r in rows], dtype=bool)
 
 
 def tight(a: np.ndarray) -> bool:
