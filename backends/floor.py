@@ -39,9 +39,6 @@ from ..ir.schedule import X_KV, X_O, X_Q
 from ..ir.verify import needed_transfers
 from .cost import DTYPE_EFFICIENCY, Profile, cb_seconds, get_profile
 
-TERMS = ("compute", "recv", "send")
-
-
 def queue_seconds(parts: list, at: int, n: int, per_node: int, prof: Profile) -> float:
     """The least time the busiest receive (``at`` = 3: rows' destinations) or
     send (``at`` = 2: sources) queue needs for ``parts``, one ``(rows,

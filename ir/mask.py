@@ -21,8 +21,6 @@ import numpy as np
 INF = 1 << 62
 Q0, Q1, K0, K1, LO, HI = range(6)
 _CHUNK = 1 << 20  # max pairs materialized at once by pairwise ops
-
-
 _SMALL = 8  # pieces: below this, Python integers beat numpy's per-call overhead (the union of 10,000 terms)
 
 
@@ -304,9 +302,9 @@ class Pieces:
     def intersect(self, other: Pieces) -> Pieces:
         if len(self.a) == 1 == len(other.a):  # one piece each (a term of a long union): Python integers
             x, y = self.a[0].tolist(), other.a[0].tolist()
-            row = np.array([[max(x[Q0], y[Q0]), min(x[Q1], y[Q1]), max(x[K0], y[K0]), min(x[K1], y[K1]),
-                             max(x[LO], y[LO]), min(x[HI], y[HI])]], np.int64)
-            return Pieces(row[_tighten_rows(row)])
+            r = tighten_row(max(x[Q0], y[Q0]), min(x[Q1], y[Q1]), max(x[K0], y[K0]), min(x[K1], y[K1]),
+                            max(x[LO], y[LO]), min(x[HI], y[HI]))
+            return Pieces(np.array([r] if nonempty_row(r) else [], np.int64).reshape(-1, 6))
         i, j = _pairwise(self.a, other.a)
         return Pieces(normalize(intersect_rows(self.a[i], other.a[j])))
 
