@@ -117,10 +117,13 @@ def _crossing(ir, phase: int) -> set:
        comm=st.sampled_from(COMMS[:4]), overlap=st.booleans(), divide=st.booleans())
 @example(lens=[955, 767, 405, 462, 62, 113], devices=4, name="hypergraph", comm="mode=p2p,relay=node", overlap=True,
          divide=False)  # partials of one device for one home sent in two stages (their last writers' stages)
+@example(lens=[1500, 1400, 1300, 200, 90], devices=8, name="minheap", comm="mode=p2p,relay=node,reduce=node",
+         overlap=True, divide=False)  # 42 dKV sums across nodes, from 4 aggregators
 def test_partial_outputs_are_grouped_into_the_messages_emit_sends(lens, devices, name, comm, overlap, divide):
     """The bound charges one latency per message of partial outputs (the
     bulk of the backward's messages at 256 devices): its grouping is emit's
-    — per phase the same messages (source, destination, rows and bytes)."""
+    — per phase the same messages (source, destination, rows and bytes),
+    a node reduce's sums across nodes included."""
     try:
         plan = attnplan.compile(seqlens=lens, mask="causal", devices=devices, nodes=2 if devices >= 4 else 1,
                                 pipeline=pipeline(name, comm, overlap, divide), **SHAPE)
@@ -136,11 +139,18 @@ def test_partial_outputs_are_grouped_into_the_messages_emit_sends(lens, devices,
         msg, src, dst = auto_schedule._partial_messages(ir, sh, rows, np.concatenate([w for _, _, w in parts]))
         mine = sorted(zip(src.tolist(), dst.tolist(), np.bincount(msg, minlength=len(src)).tolist(),
                           np.bincount(msg, weights=nbytes, minlength=len(src)).astype(np.int64).tolist()))
-        crossing = _crossing(ir, phase)  # a node reduce's sums leave from the tail: not in the bound's messages
-        emitted = sorted((int(M[m, M_SRC]), int(M[m, M_DST]), int(M[m, M_END] - M[m, M_START]), int(M[m, M_BYTES]))
-                         for m in range(len(M)) if M[m, M_PHASE] == phase and X[M[m, M_START], T_KIND] > B_KV
-                         and tuple(X[M[m, M_START], [T_KIND, T_TB, T_HG, T_SRC, T_DST]].tolist()) not in crossing)
-        assert mine == emitted
+        crossing = _crossing(ir, phase)  # a node reduce's sums leave from the tail, in messages of their own
+        emitted = [(int(M[m, M_SRC]), int(M[m, M_DST]), int(M[m, M_END] - M[m, M_START]), int(M[m, M_BYTES]),
+                    tuple(X[M[m, M_START], [T_KIND, T_TB, T_HG, T_SRC, T_DST]].tolist()) in crossing)
+                   for m in range(len(M)) if M[m, M_PHASE] == phase and X[M[m, M_START], T_KIND] > B_KV]
+        assert mine == sorted(e[:4] for e in emitted if not e[4])
+        cross = sh.cross[phase]
+        rows = np.concatenate([r for r, _ in cross])
+        nbytes = np.concatenate([buffer_bytes(g, phase, k, r[:, 0], r[:, 1]) for r, k in cross])
+        msg, src, dst = auto_schedule._cross_messages(rows, ir.devices)
+        sums = sorted(zip(src.tolist(), dst.tolist(), np.bincount(msg, minlength=len(src)).tolist(),
+                          np.bincount(msg, weights=nbytes, minlength=len(src)).astype(np.int64).tolist()))
+        assert sums == sorted(e[:4] for e in emitted if e[4])
 
 
 @settings(max_examples=25)

@@ -56,7 +56,9 @@ than the best simulated plan's whole makespan cannot win.
    for its operands' messages, a relay for what it forwards; a fused
    kernel launches once per run of blocks; a partial output leaves after its
    last writer, in the messages emit groups it in, and is merged after it
-   arrives (3–40 ms where emitting and simulating take 20–300 ms). Tighter
+   arrives; a node reduce's sum across nodes leaves after its aggregator
+   merged what it gathered (3–40 ms where emitting and simulating take
+   20–300 ms). Tighter
    than the estimate: 0.91–1.0 of the predicted time for every strategy
    on libra-512k-0 at 32 devices, github-512k-1 at 64 and lmsys-512k-0 at
    256 (the forward alone exact for most), where the estimate is

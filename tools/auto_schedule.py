@@ -41,6 +41,14 @@ last writes it, and the home merges it only after it arrives. Per phase:
   per message, not per row as before, raised the backward bound at 256
   devices from 0.65–0.75 of the simulation to 0.95–1.0: a device's
   partials for some hundred homes are each mostly latency;
+- **sums across nodes** (node reduces): an aggregator merges what its
+  node gathered in its tail — after its last block, each gathered
+  message after it arrives, one at a time (the one-machine bound below) —
+  and only then sends each home the node's sum, one message per home,
+  which the home merges in its tail. Left out before (the bound only
+  dropped work), this was most of what the backward bound missed where
+  one document spans nodes: 0.68–0.82 of the simulated backward for the
+  span and dacp candidates of libra-128k-1 at 32 devices, 0.88–0.92 with it;
 - **queues with release dates or tails**: the messages a device receives
   (or sends; it waits for all of them before it ends) take at least
   ``r + sum of the seconds of those released at or after r`` for every
@@ -132,6 +140,7 @@ class _Shape:
     mstage: np.ndarray      # per message: its stage
     forwards: np.ndarray    # [k, 2]: (message, a message it forwards a block of) pairs
     partials: tuple         # per phase: ((rows (tb, hg, src, dst), kind, position of the last writer per row), ...)
+    cross: tuple            # per phase: ((rows (tb, hg, aggregator, home), kind), ...): a node reduce's sums
     run_first: np.ndarray   # per position: the first position of its kernel run (emit.compute_runs)
     run_last: np.ndarray    # ... and the last
     own_last: np.ndarray    # [device, stage]: the position of its last block there needing nothing remote (-1:
@@ -156,26 +165,28 @@ def _shape(ir: PlanIR, kinds: tuple = (X_Q, X_KV)) -> _Shape:
     pos[order] = np.arange(len(order))
     o = s.xfer[s.xfer[:, XK] == X_O][:, [XTB, XHG, XSRC, XDST]]
     dkv = needed_transfers(g, pl)[X_KV][:, [0, 1, 3, 2]]  # (tb, hg, home, device): dKV goes device -> home
+    o_x = dkv_x = np.zeros((0, 4), np.int64)
     if s.reduce:
-        o, dkv = _sent_from_compute(o, pl.devices_per_node), _sent_from_compute(dkv, pl.devices_per_node)
+        (o, o_x), (dkv, dkv_x) = _reduced(o, pl.devices_per_node), _reduced(dkv, pl.devices_per_node)
     o_last, kv_last = _last_writer(g, pl, o, False, pos), _last_writer(g, pl, dkv, True, pos)
     mstage, msrc, mdst = keys // (n * n), (keys // n) % n, keys % n
     run_first, run_last = run_bounds(compute_runs(g, pl, s, order))
     return _Shape(order, dev, s.cb_stage[order], starts, x, msg, msrc, mdst, need, _sweep(pl, x, mstage), mstage,
                   _forwards(g, pl, x, msg, received),
                   (((o, B_O, o_last),), ((o, B_DQ, o_last), (dkv, B_DKV, kv_last))),
-                  run_first, run_last, own_last(g, pl, s, order))
+                  (((o_x, B_O),), ((o_x, B_DQ), (dkv_x, B_DKV))), run_first, run_last, own_last(g, pl, s, order))
 
 
-def _sent_from_compute(rows: np.ndarray, per_node: int) -> np.ndarray:
-    """Under a node reduce, the partial rows ``(tb, hg, src, dst)`` a device
-    sends after its last writer, as emit routes them (:func:`attnplan.passes.
-    comm.reduce_rows`): those going home directly and those gathered to their
-    node's aggregator. The sums the aggregators send across leave from their
-    tails and are left out — the bound only drops work by that."""
+def _reduced(rows: np.ndarray, per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Under a node reduce, the partial rows ``(tb, hg, src, dst)`` as emit
+    routes them (:func:`attnplan.passes.comm.reduce_rows`): (those a device
+    sends after its last writer — home directly or gathered to its node's
+    aggregator —, the sums the aggregators send across from their tails,
+    ``(tb, hg, aggregator, home)``)."""
     full = np.column_stack([np.zeros(len(rows), np.int64), rows, np.zeros(len(rows), np.int64)])
     routed, hop = reduce_rows(full, per_node)
-    return routed[hop != HOP_CROSS][:, [XTB, XHG, XSRC, XDST]]
+    cols = [XTB, XHG, XSRC, XDST]
+    return routed[hop != HOP_CROSS][:, cols], routed[hop == HOP_CROSS][:, cols]
 
 
 def _forwards(g, pl, x: np.ndarray, msg: np.ndarray, received) -> np.ndarray:
@@ -315,9 +326,11 @@ def _partial_jobs(ir: PlanIR, prof, phase: int, sh: _Shape, end: np.ndarray, bus
     """The partial outputs of one phase, as emit groups them into messages
     (:func:`_partial_messages`): each message leaves after its last row's
     last writer (``end`` of it) and after both queues' stage-0 messages;
-    appended to ``jobs`` (source, destination, release on the send and on
-    the receive queue, seconds). Returns per home the bound of its merges
-    (module doc) after its last block (``busy``)."""
+    under a node reduce, each sum across nodes after its aggregator's tail
+    merged what it gathered (:func:`_cross_jobs`). Appended to ``jobs``
+    (source, destination, release on the send and on the receive queue,
+    seconds). Returns per home the bound of its merges (module doc) after
+    its last block (``busy``)."""
     g, n = ir.need_graph(), len(busy)
     parts = [(rows, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1], wire=True).astype(float), last)
              for rows, kind, last in sh.partials[phase]]
@@ -330,12 +343,48 @@ def _partial_jobs(ir: PlanIR, prof, phase: int, sh: _Shape, end: np.ndarray, bus
     sec = link_seconds(src, dst, np.bincount(msg, weights=nbytes, minlength=len(src)),
                        ir.need_placement().devices_per_node, prof)
     rs, rd = np.maximum(rel, sent0[src]), np.maximum(rel, got0[dst])
-    for j, v in zip(jobs, (src, dst, rs, rd, sec)):
-        j.append(v)
     merge = merge_seconds(nbytes, prof.mem_bw)
     arrive = np.maximum(rs, rd)[msg] + sec[msg]
-    return np.maximum(release_bound(dst[msg], np.maximum(arrive, busy[dst[msg]]), merge, n),  # after its last block
+    gathered = ir.need_placement().home[rows[:, 0]] != rows[:, 3]
+    at, ready = dst[msg], np.maximum(arrive, busy[dst[msg]])
+    tail = np.maximum(busy, release_bound(at[gathered], ready[gathered], merge[gathered], n))
+    x_at, x_ready, x_merge = _cross_jobs(ir, prof, phase, sh, tail, sent0, got0, jobs)
+    for j, v in zip(jobs, (src, dst, rs, rd, sec)):
+        j.append(v)
+    x_ready = np.maximum(x_ready, busy[x_at])  # a home merges the sums it receives in its tail too
+    return np.maximum(release_bound(np.r_[at, x_at], np.r_[ready, x_ready], np.r_[merge, x_merge], n),
                       release_bound(dst, rd, sec, n, tail=np.bincount(msg, weights=merge, minlength=len(src))))
+
+
+def _cross_jobs(ir: PlanIR, prof, phase: int, sh: _Shape, tail: np.ndarray, sent0: np.ndarray, got0: np.ndarray,
+                jobs: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A node reduce's sums across nodes in one phase: one message per
+    aggregator and home (emit packs them in its tail), posted once the
+    aggregator has waited for and merged every partial it gathered (``tail``
+    per device: a lower bound of that), after both queues' stage-0
+    messages; appended to ``jobs``. Returns per row its home, the earliest
+    it can be merged there and the seconds of merging it."""
+    g, n = ir.need_graph(), len(tail)
+    parts = [(rows, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1], wire=True).astype(float))
+             for rows, kind in sh.cross[phase]]
+    rows, nbytes = (np.concatenate(v) for v in zip(*parts)) if parts else (np.zeros((0, 4), np.int64), np.zeros(0))
+    if not len(rows):
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
+    msg, src, dst = _cross_messages(rows, n)
+    sec = link_seconds(src, dst, np.bincount(msg, weights=nbytes, minlength=len(src)),
+                       ir.need_placement().devices_per_node, prof)
+    rs, rd = np.maximum(tail[src], sent0[src]), np.maximum(tail[src], got0[dst])
+    for j, v in zip(jobs, (src, dst, rs, rd, sec)):
+        j.append(v)
+    return dst[msg], np.maximum(rs, rd)[msg] + sec[msg], merge_seconds(nbytes, prof.mem_bw)
+
+
+def _cross_messages(rows: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The message of each sum across nodes ``(tb, hg, aggregator, home)``:
+    one per aggregator and home (emit's tail packs them, one stage). Returns
+    (each row's message, each message's source and destination)."""
+    keys, msg = np.unique(rows[:, 2] * n + rows[:, 3], return_inverse=True)
+    return msg.ravel(), keys // n, keys % n
 
 
 def _partial_messages(ir: PlanIR, sh: _Shape, rows: np.ndarray, last: np.ndarray) -> tuple:
