@@ -103,7 +103,8 @@ def to_body(ir: PlanIR, meta: dict, derive: bool = True) -> dict:
         "schedule": {"stages": s.stages, "cb_stage": _arr(s.cb_stage), "xfer": _arr(s.xfer), "overlap": s.overlap,
                      **({"collective": True} if s.collective else {}),  # absent: False (older files stay byte-equal)
                      **({"reduce": True} if s.reduce else {}),
-                     **({"run": s.run_flops} if s.run_flops else {})},  # absent: 0.0 (a run per partner)
+                     **({"run": s.run_flops} if s.run_flops else {}),  # absent: 0.0 (a run per partner)
+                     **({"local_last": True} if s.local_last else {})},  # absent: local blocks first
         "program": {"transfers": _arr(schema.transfers_body(g, prog.transfers)),
                     "messages": _arr(schema.messages_body(prog.transfers, prog.messages)),
                     "buffers": [[_arr(schema.buffers_body(g, ph, b)) for b in bufs]

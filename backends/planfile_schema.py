@@ -355,7 +355,10 @@ def schedule(sb, g: BlockGraph, devices: int) -> Schedule:
     if isinstance(run, bool) or not isinstance(run, (int, float)) or not 0.0 <= run <= 1e30:
         fail(f"schedule.run must be FLOPs in [0, 1e30], got {run!r}" if isinstance(run, (int, float))
              else f"schedule.run must be a number, got {_kind(run)}")
-    return Schedule(stages, cb_stage, xfer, overlap, collective, reduce, float(run))
+    local_last = sb.get("local_last", False)
+    if local_last is not True and local_last is not False:
+        fail(f"schedule.local_last must be a boolean, got {_kind(local_last)}")
+    return Schedule(stages, cb_stage, xfer, overlap, collective, reduce, float(run), local_last)
 
 
 def _per_device(pr, key: str, devices: int) -> list:

@@ -34,7 +34,7 @@ head dim 128, block 2048, h100 profile, every strategy of ``--strategies``
    imperfect overlap cost it.
 
     .venv/bin/python benchmarks/gap.py [--devices 32] [--names a,b] [--strategies S]
-        [--partials-dtype bfloat16] [--keep-kv] [--grid] [--json out/gap.json]
+        [--partials-dtype bfloat16] [--keep-kv] [--local first|last|kept] [--grid] [--json out/gap.json]
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ from attnplan.backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, si
 from attnplan.backends.floor import placement_floor
 from attnplan.backends.walk import run_starts
 from attnplan.ir.program import ATTN, ATTN_BWD, BWD, FWD, OP, PHASES
+from attnplan.passes import parse_pipeline
+from attnplan.passes.comm import Overlap, parse_entry
+from attnplan.passes.default import default_pipeline
 
 BATCHES = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "batches.jsonl"
 SHAPE = dict(heads=8, kv_heads=2, head_dim=128, block_size=2048)
@@ -108,15 +111,28 @@ def last_device_terms(ir, prof, sim: dict) -> dict:
     return out
 
 
-def compile_all(lens, devices: int, strategies: list[str], options: dict) -> dict:
+def compile_all(lens, devices: int, strategies: list[str], options: dict, local: str | None = None) -> dict:
+    """Every strategy entry compiled (``local``: its default pipeline with
+    ``overlap{local=...}``, :func:`with_local`)."""
     plans = {}
     for s in strategies:
+        how = {"strategy": s} if local is None else {"pipeline": with_local(s, local)}
         try:
-            plans[s] = attnplan.compile(lens, devices=devices, nodes=max(1, devices // 8), strategy=s,
-                                        verify=False, **SHAPE, **options)
+            plans[s] = attnplan.compile(lens, devices=devices, nodes=max(1, devices // 8), verify=False, **how,
+                                        **SHAPE, **options)
         except attnplan.PlanError:
             continue  # a strategy that cannot take the batch (ulysses over more devices than heads)
     return plans
+
+
+def with_local(entry: str, local: str) -> str:
+    """The default pipeline of strategy entry ``entry`` (``name``,
+    ``name{options}``, ``name:variant``) with its overlap step's ``local``
+    option set."""
+    head, comm = parse_entry(entry)
+    passes = [dataclasses.replace(p, local=local) if isinstance(p, Overlap) else p
+              for p in parse_pipeline(default_pipeline(head, SHAPE["block_size"], comm))]
+    return ",".join(p.spec() for p in passes)
 
 
 def summary(values: list[float]) -> str:
@@ -131,6 +147,8 @@ def main() -> None:
     ap.add_argument("--strategies", default=SUITE)
     ap.add_argument("--partials-dtype", default="float32")
     ap.add_argument("--keep-kv", action="store_true")
+    ap.add_argument("--local", choices=("first", "last", "kept"),
+                    help="the overlap step's local option for every strategy (default: each default pipeline's)")
     ap.add_argument("--grid", action="store_true", help="also search span's grain x cross per batch (item 3)")
     ap.add_argument("--fair", action="store_true", help="also simulate with links='fair' (minutes)")
     ap.add_argument("--json", help="write every number here")
@@ -149,7 +167,7 @@ def main() -> None:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for name in names:
         lens = by_name[name]["seqlens"]
-        plans = compile_all(lens, a.devices, strategies, options)
+        plans = compile_all(lens, a.devices, strategies, options, a.local)
         lb = lower_bound(next(iter(plans.values())).ir, base)
         sims = {label: {s: simulate(p.ir, prof) for s, p in plans.items()} for label, prof in profiles.items()}
         for label, by_s in sims.items():
@@ -164,7 +182,7 @@ def main() -> None:
         print(f"| {name} | {win} | {best_terms[name]['pred_over_lb']:.2f} | {cells[0]} | {cells[1]} |", flush=True)
         if a.grid:
             spans = [f"span{{grain={g},cross={c}}}{t}" for g in GRID_GRAINS for c in GRID_CROSS for t in ("", ":tree")]
-            gp = compile_all(lens, a.devices, spans, options)
+            gp = compile_all(lens, a.devices, spans, options, a.local)
             grid.append(min(simulate(p.ir, base)["predicted_s"] for p in gp.values()) / lb)
     print("\n| profile | best per batch, median (worst) | batches <= 1.5 |\n|---|---|---|")
     for label, v in ratios.items():

@@ -33,6 +33,9 @@ class Schedule:
     run_flops: float = 0.0  # overlap{run=F}: a device's blocks for remote partners share one kernel run (waits
     #                         before it, partial sends after it) until the remote work before a partner's blocks
     #                         reaches another multiple of F (0: a run per partner; passes/emit.compute_runs)
+    local_last: bool = False  # overlap{local=last}: in the backward a device runs its blocks that need nothing
+    #                           remote after all its others, in its last stage, so its partials travel while it
+    #                           computes its own (passes/emit.backward_schedule)
 
     def __post_init__(self):
         self.cb_stage.setflags(write=False)
@@ -41,7 +44,8 @@ class Schedule:
     def to_text(self, limit: int = 40) -> str:
         lines = [f"schedule stages={self.stages} transfers={len(self.xfer)} overlap={self.overlap}"
                  + (" collective=True" if self.collective else "") + (" reduce=node" if self.reduce else "")
-                 + (f" run={self.run_flops:g}" if self.run_flops else "")]
+                 + (f" run={self.run_flops:g}" if self.run_flops else "")
+                 + (" local=last" if self.local_last else "")]
         for k, tb, hg, s, d, st in self.xfer[:limit].tolist():
             lines.append(f"  stage {st}: {XFER_KIND_NAMES[k]}[tb{tb},hg{hg}] d{s} -> d{d}")
         if len(self.xfer) > limit:

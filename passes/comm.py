@@ -452,6 +452,9 @@ class Comm(Pass):
         return _staged(g, pl, need, tree_data_rows(need, pl.devices_per_node, pl.nodes))
 
 
+LOCAL_ORDERS = ("first", "last", "kept")  # overlap{local=...}
+
+
 @register
 @dataclass(frozen=True, slots=True)
 class Overlap(Pass):
@@ -472,22 +475,39 @@ class Overlap(Pass):
     2.21 (4.10), 3e10 -> 2.13 (4.08), 1e11 -> 2.13 (4.35). Strategies whose
     partners' data arrive far apart take 0 in their default pipeline
     (``default_run``: tile_pool 7.09 at 0 against 8.10, usp 4.69 against
-    5.01, same batches)."""
+    5.01, same batches).
+
+    ``local``: where the backward runs a device's blocks that need nothing
+    remote — ``first`` (while its remote data is on the way), ``last``
+    (after every block that writes a partial output, in its last stage: its
+    partials travel home while it computes its own; the first remote data is
+    then waited for with nothing to do), or ``kept`` (the default: ``last``
+    where the backward keeps the forward's KV, ``Problem.keep_kv``, so that
+    a device's first blocks wait for nothing, else ``first``). Measured in
+    docs/results.md ("Local blocks last in the backward")."""
 
     name = "overlap"
     needs = ("graph", "placement", "schedule")
     run: float = DEFAULT_RUN
+    local: str = "kept"
 
     def __post_init__(self):
         if not 0.0 <= self.run <= 1e30:
             raise PlanError(f"overlap: run must be FLOPs in [0, 1e30], got {self.run}")
+        if self.local not in LOCAL_ORDERS:
+            raise PlanError(f"overlap: local must be {', '.join(LOCAL_ORDERS[:-1])} or {LOCAL_ORDERS[-1]}, "
+                            f"got {self.local!r}")
 
     def spec(self) -> str:
-        """``overlap`` at the default ``run``, else ``overlap{run=F}``."""
-        return "overlap" if self.run == DEFAULT_RUN else f"overlap{{run={self.run:g}}}"
+        """``overlap`` with its options that are not the defaults (``overlap{run=F,local=last}``)."""
+        opts = ([f"run={self.run:g}"] if self.run != DEFAULT_RUN else []) + \
+            ([f"local={self.local}"] if self.local != "kept" else [])
+        return "overlap" + (f"{{{','.join(opts)}}}" if opts else "")
 
     def apply(self, ir: PlanIR) -> PlanIR:
         s = ir.need_schedule()
         if s.collective:  # an all-to-all is a blocking exchange: nothing to overlap
             return ir
-        return ir.with_levels(schedule=dataclasses.replace(s, overlap=True, run_flops=float(self.run)))
+        last = self.local == "last" or (self.local == "kept" and ir.problem.keep_kv)
+        return ir.with_levels(schedule=dataclasses.replace(s, overlap=True, run_flops=float(self.run),
+                                                           local_last=last))

@@ -49,6 +49,7 @@ counts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -380,6 +381,7 @@ def _kept(ir: PlanIR, fwd: _Phase | None, n_home: np.ndarray) -> np.ndarray:
 def _phase(ir: PlanIR, X: np.ndarray, tmsg: np.ndarray, M: np.ndarray, post: np.ndarray, born: np.ndarray,
            cross: np.ndarray, phase: int, fwd: _Phase | None = None) -> _Phase:
     (g, pl, s), n = _levels(ir), ir.devices
+    s = phase_schedule(g, pl, s, phase)
     kinds = np.array((B_Q, B_KV, B_O) if phase == FWD else (B_Q, B_KV, B_DQ, B_DKV))
     tb = np.repeat(np.arange(g.n_tb), g.n_hg)
     hg = np.tile(np.arange(g.n_hg), g.n_tb)
@@ -459,19 +461,33 @@ class _Compute:
 
 
 def compute_order(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
-    """The compute blocks in program order, both phases: by device, then
-    stage, those needing nothing remote first, then the others by partner —
-    the home of their remote KV, else of their remote Q — in shifted order
-    (device ``d`` serves ``d + 1, d + 2, ...`` mod the devices first, as a
-    pairwise exchange does, so that no device is everyone's first partner and
-    the dKV partials for one home are done together), then q block, kv
-    block and head group (also what :mod:`attnplan.tools.auto_schedule`
-    bounds)."""
+    """The compute blocks in program order under schedule ``s`` (the
+    backward's: :func:`phase_schedule`): by device, then stage, those
+    needing nothing remote first — last under ``s.local_last`` —, then the
+    others by partner — the home of their remote KV, else of their remote Q
+    — in shifted order (device ``d`` serves ``d + 1, d + 2, ...`` mod the
+    devices first, as a pairwise exchange does, so that no device is
+    everyone's first partner and the dKV partials for one home are done
+    together), then q block, kv block and head group (also what
+    :mod:`attnplan.tools.auto_schedule` bounds)."""
     dev, cq, ck, chg, cst = pl.cb_device, g.cb_q, g.cb_k, g.cb_hg, s.cb_stage
     kv_away, q_away = pl.home[ck] != dev, pl.home[cq] != dev
     partner = np.where(kv_away, pl.home[ck], pl.home[cq])
-    shift = np.where(kv_away | q_away, (partner - dev) % pl.devices, -1)
+    shift = np.where(kv_away | q_away, (partner - dev) % pl.devices, pl.devices if s.local_last else -1)
     return np.lexsort((chg, ck, cq, shift, cst, dev))
+
+
+def phase_schedule(g: BlockGraph, pl: Placement, s: Schedule, phase: int) -> Schedule:
+    """The schedule a phase's program follows: ``s``, except in the
+    backward under ``s.local_last``, where the blocks needing nothing remote
+    run in the last stage (after every other block, :func:`compute_order`):
+    a device's partial outputs leave before its own work, which then hides
+    their flight (the forward keeps them first: its partials are few and its
+    local blocks hide the first data's)."""
+    if phase != BWD or not s.local_last:
+        return dataclasses.replace(s, local_last=False) if s.local_last else s
+    local = (pl.home[g.cb_q] == pl.cb_device) & (pl.home[g.cb_k] == pl.cb_device)
+    return dataclasses.replace(s, cb_stage=np.where(local, s.stages - 1, s.cb_stage))
 
 
 def compute_runs(g: BlockGraph, pl: Placement, s: Schedule, order: np.ndarray) -> np.ndarray:

@@ -32,9 +32,9 @@ COMMS = ["mode=p2p,relay=node", "mode=p2p,relay=node,reduce=node", "mode=p2p", "
 RUNS = [0.0, 1e6, 1e8, 3e10]  # overlap{run=...}: a run per partner, a few partners a run, every partner one run
 
 
-def pipeline(name: str, comm: str, overlap: bool, divide: bool, run: float = 3e10) -> str:
+def pipeline(name: str, comm: str, overlap: bool, divide: bool, run: float = 3e10, local: str = "kept") -> str:
     steps = ["tile{block=128}", name] + (["divide{stages=3}"] if divide else []) + [f"comm{{{comm}}}"]
-    return ",".join(steps + ([f"overlap{{run={run}}}"] if overlap else []) + ["emit"])
+    return ",".join(steps + ([f"overlap{{run={run},local={local}}}"] if overlap else []) + ["emit"])
 
 
 @settings(max_examples=25)
@@ -42,13 +42,14 @@ def pipeline(name: str, comm: str, overlap: bool, divide: bool, run: float = 3e1
        mask=st.sampled_from(["causal", "full", "sliding_window(100)", "(h < 2 & full) | (h >= 2 & causal)"]),
        name=st.sampled_from([n for n in attnplan.strategies() if n != "ulysses"]),
        comm=st.sampled_from(COMMS), overlap=st.booleans(), divide=st.booleans(), fused=st.booleans(),
-       profile=st.sampled_from(["h100", "cpu-local"]), run=st.sampled_from(RUNS), keep=st.booleans())
+       profile=st.sampled_from(["h100", "cpu-local"]), run=st.sampled_from(RUNS), keep=st.booleans(),
+       local=st.sampled_from(["first", "last", "kept"]))
 def test_the_schedule_bound_is_below_the_simulated_makespan(lens, devices, mask, name, comm, overlap, divide, fused,
-                                                            profile, run, keep):
+                                                            profile, run, keep, local):
     prof = dataclasses.replace(get_profile(profile), fused=fused)
     try:
         plan = attnplan.compile(seqlens=lens, mask=mask, devices=devices, nodes=2 if devices >= 4 else 1,
-                                pipeline=pipeline(name, comm, overlap, divide, run), keep_kv=keep, **SHAPE)
+                                pipeline=pipeline(name, comm, overlap, divide, run, local), keep_kv=keep, **SHAPE)
     except attnplan.PlanError:
         return  # a pipeline this placement cannot take (e.g. divide after a ring strategy)
     fwd, bwd = schedule_bound(plan.ir, prof)
@@ -156,21 +157,25 @@ def test_partial_outputs_are_grouped_into_the_messages_emit_sends(lens, devices,
 @settings(max_examples=25)
 @given(lens=st.lists(st.integers(1, 1500), min_size=1, max_size=8), devices=st.sampled_from([2, 4, 8]),
        name=st.sampled_from([n for n in attnplan.strategies() if n != "ulysses"] + ["ulysses"]),
-       comm=st.sampled_from(COMMS[:4]), overlap=st.booleans(), divide=st.booleans(), run=st.sampled_from(RUNS))
+       comm=st.sampled_from(COMMS[:4]), overlap=st.booleans(), divide=st.booleans(), run=st.sampled_from(RUNS),
+       local=st.sampled_from(["first", "last"]))
 @example(lens=[878, 263, 1491], devices=8, name="hypergraph", comm="mode=p2p", overlap=True, divide=False,
-         run=0.0)  # dQ and dKV partials of one device for one home in one message, the dQ written last
-def test_the_runs_the_bound_launches_begin_runs_in_the_program(lens, devices, name, comm, overlap, divide, run):
+         run=0.0, local="first")  # dQ and dKV partials of one device for one home in one message, the dQ written last
+@example(lens=[1500, 1400, 1300], devices=8, name="span", comm="mode=p2p,relay=node", overlap=True, divide=False,
+         run=3e10, local="last")  # the backward's own blocks after the others, in the last stage
+def test_the_runs_the_bound_launches_begin_runs_in_the_program(lens, devices, name, comm, overlap, divide, run,
+                                                                local):
     """A fused profile launches a kernel per run of consecutive compute
     instructions: every block the bound charges a launch to begins a run in
     the emitted program (the bound may miss runs, never invent one)."""
     try:
         plan = attnplan.compile(seqlens=lens, mask="causal", devices=devices, nodes=2 if devices >= 4 else 1,
-                                pipeline=pipeline(name, comm, overlap, divide, run), **SHAPE)
+                                pipeline=pipeline(name, comm, overlap, divide, run, local), **SHAPE)
     except attnplan.PlanError:
         return
     ir = plan.ir
-    sh = auto_schedule._shape(ir)
     for phase in (FWD, BWD):
+        sh = auto_schedule._shape(ir, phase=phase)
         begins = set()
         for dev, code in enumerate(ir.program.code[phase]):
             first = run_starts(code[:, OP], np.full(len(code), dev))

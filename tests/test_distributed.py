@@ -80,7 +80,7 @@ def test_one_device_plan_runs_without_torch_distributed():
 
 # multi-stage schedules (transfers of stage s+1 posted during stage s), ring forwarding, in-node tree hops
 PIPELINES = ["tile{block={block}},zigzag,comm{mode=p2p},divide{stages=3},overlap,emit",
-             "tile{block={block}},minheap,comm,divide{stages=2},overlap,emit",
+             "tile{block={block}},minheap,comm,divide{stages=2},overlap{local=last},emit",  # own blocks last
              "tile{block={block}},span{grain=0.25,min_chunk=1},comm{mode=p2p,relay=tree},overlap,emit"]  # the tree
 
 

@@ -88,8 +88,10 @@ def schedules(draw):
     divide = f",divide{{stages={draw(st.integers(1, 5))}}}" if comm in ("comm{mode=p2p}", "comm{mode=allgather}",
                                                                      "comm{mode=p2p,reduce=node}") \
         and draw(st.booleans()) else ""
-    overlap = draw(st.sampled_from(["", ",overlap", ",overlap{run=0}", ",overlap{run=20000}"]))  # run: FLOPs a
-    #            kernel run holds before another partner's blocks start a new one (these blocks hold 1e3-1e6)
+    overlap = draw(st.sampled_from(["", ",overlap", ",overlap{run=0}", ",overlap{run=20000}", ",overlap{local=last}",
+                                    ",overlap{run=0,local=first}"]))  # run: FLOPs a kernel run holds before another
+    #            partner's blocks start a new one (these blocks hold 1e3-1e6); local: where the backward runs a
+    #            device's blocks that need nothing remote (last: after those writing partials)
     return comm + divide + overlap
 
 

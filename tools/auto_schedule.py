@@ -88,7 +88,7 @@ from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers
 from ..passes.comm import HOP_CROSS, reduce_rows
-from ..passes.emit import compute_order, compute_runs, own_last, run_bounds
+from ..passes.emit import compute_order, compute_runs, own_last, phase_schedule, run_bounds
 
 
 def release_bound(dev: np.ndarray, release: np.ndarray, seconds: np.ndarray, n: int,
@@ -147,10 +147,12 @@ class _Shape:
     #                         none); with overlap a relay forwards right after it (emit)
 
 
-def _shape(ir: PlanIR, kinds: tuple = (X_Q, X_KV)) -> _Shape:
+def _shape(ir: PlanIR, kinds: tuple = (X_Q, X_KV), phase: int = FWD) -> _Shape:
     """``kinds``: the data kinds that travel (the backward under ``keep_kv``:
-    Q only, every KV block a device reads is the forward's copy)."""
-    g, pl, s = ir.need_graph(), ir.need_placement(), ir.need_schedule()
+    Q only, every KV block a device reads is the forward's copy); ``phase``:
+    whose program order (:func:`attnplan.passes.emit.phase_schedule`)."""
+    g, pl = ir.need_graph(), ir.need_placement()
+    s = phase_schedule(g, pl, ir.need_schedule(), phase)
     n = pl.devices
     order = compute_order(g, pl, s)
     dev = pl.cb_device[order]
@@ -472,7 +474,8 @@ def schedule_bound(ir: PlanIR, prof) -> tuple[float, float]:
     rate = DTYPE_EFFICIENCY.get(g.problem.dtype, 1.0)
     fwd = cb_seconds(g, prof, launch=not prof.fused) / rate
     sh = _shape(ir)
-    sh_b = _shape(ir, (X_Q,)) if g.problem.keep_kv else sh
+    own = g.problem.keep_kv or s.local_last  # the backward's own shape: other data, or another order
+    sh_b = _shape(ir, (X_Q,) if g.problem.keep_kv else (X_Q, X_KV), BWD) if own else sh
     launch = prof.launch_s / rate if prof.fused else 0.0  # fused: a launch per run of blocks, else in ``fwd``
     return (_phase_bound(ir, prof, FWD, sh, fwd, launch),
             _phase_bound(ir, prof, BWD, sh_b, fwd * prof.bwd_factor, launch * prof.bwd_factor))
