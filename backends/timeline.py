@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..ir.program import M_BYTES, M_DST, M_END, M_SRC, M_START, T_KIND, T_TB
+from ..passes.emit import phase_schedule
 from .cost import Profile, resolve_profile, simulate
 
 # timeline lanes
@@ -188,9 +189,9 @@ def timeline(plan, profile=None, max_spans: int = 20000, columns: int = 1600, si
     prof = plan_profile(plan, profile)
     if sim is None:
         sim = simulate(ir, prof, record=True)
-    stage_of_cb = ir.schedule.cb_stage.astype(np.int64)
     out = {"profile": prof.name, "stages": int(ir.schedule.stages)}
-    for name in ("fwd", "bwd"):
+    for phase, name in enumerate(("fwd", "bwd")):  # the backward's own blocks may run in its last stage
+        stage_of_cb = phase_schedule(ir.graph, ir.placement, ir.schedule, phase).cb_stage.astype(np.int64)
         out[name] = _phase_timeline(plan, sim[name], stage_of_cb, max_spans, columns)
     out["predicted_s"] = sim["predicted_s"]
     return out
