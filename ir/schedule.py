@@ -35,7 +35,7 @@ class Schedule:
     #                         reaches another multiple of F (0: a run per partner; passes/emit.compute_runs)
     local_last: bool = False  # overlap{local=last}: in the backward a device runs its blocks that need nothing
     #                           remote after all its others, in its last stage, so its partials travel while it
-    #                           computes its own (passes/emit.backward_schedule)
+    #                           computes its own (passes/emit.phase_schedule)
 
     def __post_init__(self):
         self.cb_stage.setflags(write=False)

@@ -484,7 +484,7 @@ class Overlap(Pass):
     then waited for with nothing to do), or ``kept`` (the default: ``last``
     where the backward keeps the forward's KV, ``Problem.keep_kv``, so that
     a device's first blocks wait for nothing, else ``first``). Measured in
-    docs/results.md ("Local blocks last in the backward")."""
+    docs/results.md ("Own blocks last in the backward")."""
 
     name = "overlap"
     needs = ("graph", "placement", "schedule")

@@ -91,6 +91,9 @@ from ..passes.comm import HOP_CROSS, reduce_rows
 from ..passes.emit import compute_order, compute_runs, own_last, phase_schedule, run_bounds
 
 
+_TINY = 1e-300  # a segment offset above 0 where every value is 0
+
+
 def release_bound(dev: np.ndarray, release: np.ndarray, seconds: np.ndarray, n: int,
                   tail: np.ndarray | None = None) -> np.ndarray:
     """Per device of ``n``: ``max over r of r + (seconds of its jobs released
@@ -109,7 +112,8 @@ def release_bound(dev: np.ndarray, release: np.ndarray, seconds: np.ndarray, n: 
     value = r + run - (run[start] - s[start])[seg]
     if tail is not None:
         q = tail[o]
-        span = float(q.max()) + 1.0  # segment offsets keep the running minimum inside each device
+        span = 2.0 * float(q.max()) + _TINY  # segment offsets keep the running minimum inside each device,
+        #                                      scaled to the values (a 1 s offset cost times of 1e-7 s digits)
         value = value + np.minimum.accumulate(q - seg * span) + seg * span
     np.maximum.at(out, d, value)
     return out
@@ -303,7 +307,7 @@ def _phase_bound(ir: PlanIR, prof, phase: int, sh: _Shape, cost: np.ndarray, lau
         A = _segment_cumsum(arrive, sh.starts)
         np.maximum.at(A, sh.need[read], arrival[read])  # a block starts after its operands' messages arrive
         _posting_waits(ir, sh, arrival, A, chain)
-        span = float(A.max() + P.max()) + 1.0  # device offsets keep the running max inside each device
+        span = 2.0 * float(A.max() + P.max()) + _TINY  # device offsets keep the running max inside each device
         lag = np.maximum.accumulate(A - (P - p) + dev * span) - dev * span
         end = P + np.maximum(lag, 0.0)
         total = np.zeros(n)
