@@ -53,8 +53,7 @@ from attnplan.backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, si
 from attnplan.backends.floor import placement_floor
 from attnplan.backends.walk import run_starts
 from attnplan.ir.program import ATTN, ATTN_BWD, BWD, FWD, OP, PHASES
-from attnplan.passes import parse_pipeline
-from attnplan.passes.comm import Overlap, parse_entry
+from attnplan.passes.comm import parse_entry
 from attnplan.passes.default import default_pipeline
 
 BATCHES = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "batches.jsonl"
@@ -130,9 +129,7 @@ def with_local(entry: str, local: str) -> str:
     ``name{options}``, ``name:variant``) with its overlap step's ``local``
     option set."""
     head, comm = parse_entry(entry)
-    passes = [dataclasses.replace(p, local=local) if isinstance(p, Overlap) else p
-              for p in parse_pipeline(default_pipeline(head, SHAPE["block_size"], comm))]
-    return ",".join(p.spec() for p in passes)
+    return default_pipeline(head, SHAPE["block_size"], comm, local)
 
 
 def summary(values: list[float]) -> str:

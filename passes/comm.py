@@ -82,7 +82,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..ir.module import PlanIR
-from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSTAGE, XTB, Schedule
+from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB, Schedule
 from ..ir.verify import needed_transfers
 from .base import DEFAULT_RUN, Pass, parse_pipeline, register, strategies
 
@@ -346,6 +346,16 @@ def reduce_rows(rows: np.ndarray, per_node: int) -> tuple[np.ndarray, np.ndarray
     hop = np.where(hop1, HOP_GATHER, np.where(cross, HOP_CROSS, HOP_DIRECT))
     out = np.column_stack([np.full(len(routed), kind), tb, hg, dst, src, np.full(len(routed), stage.max())])
     return out, hop
+
+
+def reduced_partials(rows: np.ndarray, per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Partial rows ``(tb, hg, src, dst)`` (``src`` computes, ``dst`` is
+    home) as :func:`reduce_rows` routes them under a node reduce, still as
+    ``(tb, hg, src, dst)`` rows, with the hop of each (``HOP_DIRECT``,
+    ``HOP_GATHER`` to the node's aggregator, ``HOP_CROSS`` for the node's sum)."""
+    full = np.column_stack([np.zeros(len(rows), np.int64), rows, np.zeros(len(rows), np.int64)])
+    routed, hop = reduce_rows(full, per_node)
+    return routed[:, [XTB, XHG, XSRC, XDST]], hop
 
 
 def ring_kv(g, pl) -> tuple[np.ndarray, np.ndarray]:

@@ -11,8 +11,6 @@ are refused."""
 from __future__ import annotations
 
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -28,8 +26,7 @@ from attnplan.ir.verify import verify
 from attnplan.runtime import memory
 from attnplan.runtime.check import random_inputs, reference, run_plan
 from attnplan.runtime.executor import run_backward, run_forward
-from attnplan.passes import parse_pipeline
-from attnplan.passes.comm import Overlap, parse_entry
+from attnplan.passes.comm import parse_entry
 from attnplan.passes.default import default_pipeline
 from attnplan.tools.auto import estimate
 from attnplan.tools.auto_schedule import schedule_bound
@@ -116,9 +113,7 @@ def _first(strategy: str) -> str:
     (``overlap{local=first}``: the plain plan's order, which kept KV would
     otherwise change, :mod:`attnplan.passes.comm` ``Overlap``)."""
     head, comm = parse_entry(strategy)
-    steps = [dataclasses.replace(p, local="first") if isinstance(p, Overlap) else p
-             for p in parse_pipeline(default_pipeline(head, SHAPE["block_size"], comm))]
-    return ",".join(p.spec() for p in steps)
+    return default_pipeline(head, SHAPE["block_size"], comm, local="first")
 
 
 @pytest.mark.parametrize("strategy", ["per_doc", "zigzag:ring", "ulysses:a2a", "span{grain=1}:tree"])

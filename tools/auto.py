@@ -139,7 +139,7 @@ from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers, verify
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategy_entries, strategy_name
-from ..passes.comm import (COMM_VARIANTS, HOP_CROSS, HOP_GATHER, default_reduce, default_relay, reduce_rows,
+from ..passes.comm import (COMM_VARIANTS, HOP_CROSS, HOP_GATHER, default_reduce, default_relay, reduced_partials,
                            relay_rows, ring_kv, tree_data_rows)
 from .auto_preview import SAMPLE_SEGMENTS, sample_docs, segment_bound
 from .auto_schedule import schedule_bound
@@ -290,9 +290,7 @@ def _partial_routes(rows: np.ndarray, pl, reduce: bool) -> tuple[np.ndarray, np.
     reduce as :func:`attnplan.passes.comm.reduce_rows` routes them."""
     if not (reduce and pl.nodes > 1) or not len(rows):
         return rows, np.zeros(len(rows), np.int64)
-    full = np.column_stack([np.zeros(len(rows), np.int64), rows, np.zeros(len(rows), np.int64)])
-    routed, hop = reduce_rows(full, pl.devices_per_node)
-    return routed[:, [XTB, XHG, XSRC, XDST]], hop
+    return reduced_partials(rows, pl.devices_per_node)
 
 
 def _merges(g, n: int, prof, o: np.ndarray, dkv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

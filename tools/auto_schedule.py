@@ -87,7 +87,7 @@ from ..ir.module import PlanIR
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers
-from ..passes.comm import HOP_CROSS, reduce_rows
+from ..passes.comm import HOP_CROSS, reduced_partials
 from ..passes.emit import compute_order, compute_runs, own_last, phase_schedule, run_bounds
 
 
@@ -189,10 +189,8 @@ def _reduced(rows: np.ndarray, per_node: int) -> tuple[np.ndarray, np.ndarray]:
     sends after its last writer — home directly or gathered to its node's
     aggregator —, the sums the aggregators send across from their tails,
     ``(tb, hg, aggregator, home)``)."""
-    full = np.column_stack([np.zeros(len(rows), np.int64), rows, np.zeros(len(rows), np.int64)])
-    routed, hop = reduce_rows(full, per_node)
-    cols = [XTB, XHG, XSRC, XDST]
-    return routed[hop != HOP_CROSS][:, cols], routed[hop == HOP_CROSS][:, cols]
+    routed, hop = reduced_partials(rows, per_node)
+    return routed[hop != HOP_CROSS], routed[hop == HOP_CROSS]
 
 
 def _forwards(g, pl, x: np.ndarray, msg: np.ndarray, received) -> np.ndarray:
@@ -373,7 +371,7 @@ def _cross_jobs(ir: PlanIR, prof, phase: int, sh: _Shape, tail: np.ndarray, sent
     g, n = ir.need_graph(), len(tail)
     parts = [(rows, buffer_bytes(g, phase, kind, rows[:, 0], rows[:, 1], wire=True).astype(float))
              for rows, kind in sh.cross[phase]]
-    rows, nbytes = (np.concatenate(v) for v in zip(*parts)) if parts else (np.zeros((0, 4), np.int64), np.zeros(0))
+    rows, nbytes = (np.concatenate(v) for v in zip(*parts))
     if not len(rows):
         return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
     msg, src, dst = _cross_messages(rows, n)
