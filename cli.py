@@ -19,6 +19,9 @@ import time
 from .cli_io import STDOUT, check_output, progress, shows_progress, summary_stream, write_output
 from .errors import AttnplanError, PlanError
 from .ir import limits
+from .passes.comm import COMM_VARIANTS
+
+_VARIANTS = ", ".join(COMM_VARIANTS)  # the comm variants of NAME:VARIANT entries
 
 MAX_SEED = (1 << 64) - 1  # torch.Generator.manual_seed takes 0..2^64-1
 
@@ -116,14 +119,21 @@ def _strategy_list(text: str, variants: bool = False) -> list[str]:
     if text == "all":
         return list(strategy_entries() if variants else strategies())
     from .passes.base import _split_top
-    names = [s.strip() for s in _split_top(text) if s.strip()]  # commas inside {options} stay
-    if not names:
+    from .passes import parse_pipeline
+    from .passes.default import default_pipeline
+    names = [s.strip() for s in _split_top(text)]  # commas inside {options} stay
+    if not any(names):
         raise PlanError(f"no strategy in {text!r}; known: {', '.join(strategies())}")
-    for n in names:
-        parse_entry(n)
-    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if dup is not None:
-        raise PlanError(f"--strategies lists {dup!r} twice")
+    if not all(names):
+        raise PlanError(f"an empty entry in --strategies {text!r}")
+    seen: dict[str, str] = {}
+    for n in names:  # one plan once: span and span:p2p, zigzag and zigzag{} are the same pipeline
+        head, comm = parse_entry(n)
+        key = ",".join(p.spec() for p in parse_pipeline(default_pipeline(head, 2048, comm)))
+        if key in seen:
+            same = "twice" if seen[key] == n else f"twice ({seen[key]!r} and {n!r} are the same plan)"
+            raise PlanError(f"--strategies lists {n!r} {same}")
+        seen[key] = n
     return names
 
 
@@ -153,9 +163,8 @@ def _add_compile(sub) -> None:
                    help="bytes of buffers per device and phase the verifier holds the plan to (default: no cap)")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--strategy", default="zigzag", help="a strategy, auto, NAME{options} (e.g. 'span{grain=2}'), "
-                   "or either as NAME:VARIANT (the strategy under another comm step: p2p, relay, direct, ring, "
-                   "allgather, allgather_ring, a2a); default zigzag, the deployed baseline — auto compiles the "
-                   "one predicted fastest")
+                   f"or either as NAME:VARIANT (the strategy under another comm step: {_VARIANTS}); "
+                   "default zigzag, the deployed baseline — auto compiles the one predicted fastest")
     g.add_argument("--pipeline", help="pass pipeline, e.g. 'tile{block=1024},zigzag,comm,emit'")
     c.add_argument("--no-verify", action="store_true", help="skip the verifier between passes")
     c.add_argument("-v", "--verbose", action="store_true", help="print each pass and its time")
@@ -166,14 +175,15 @@ def _add_compile(sub) -> None:
 def _add_inspect(sub) -> None:
     """stats, show, mask, viz, explain: reading a plan (or a mask)."""
     s = sub.add_parser("stats", help="statistics of a plan")
-    s.add_argument("plan")
+    s.add_argument("plan", help="plan file (from plan compile)")
     s.add_argument("--json", action="store_true")
     s.add_argument("--profile", default=None, help="cost profile for predicted times (default: the plan's)")
 
     sh = sub.add_parser("show", help="text form of a plan's programs")
-    sh.add_argument("plan")
-    sh.add_argument("--device", type=int, default=None)
-    sh.add_argument("--level", default="program", choices=["program", "all"])
+    sh.add_argument("plan", help="plan file (from plan compile)")
+    sh.add_argument("--device", type=int, default=None, help="only this device's programs (default: every device)")
+    sh.add_argument("--level", default="program", choices=["program", "all"],
+                    help="program: the instruction streams (default); all: every IR level, problem to program")
 
     m = sub.add_parser("mask", help="ASCII picture of a mask over a small batch")
     m.add_argument("mask")
@@ -184,13 +194,13 @@ def _add_inspect(sub) -> None:
                    help="the query head h of a per-head mask (required when the mask uses h)")
 
     vz = sub.add_parser("viz", help="visual report of a plan: one self-contained HTML file and/or PNG pictures")
-    vz.add_argument("plan")
+    vz.add_argument("plan", help="plan file (from plan compile)")
     vz.add_argument("-o", "--output", default=None, help="HTML report to write, e.g. report.html; - writes to stdout")
     vz.add_argument("--png", default=None, metavar="DIR", help="write mask/bars/comm/timeline PNGs into DIR")
     vz.add_argument("--profile", default=None, help="cost profile for the timeline (default: the plan's)")
 
     ex = sub.add_parser("explain", help="short text account: most loaded device and why, transfers, waits, cost")
-    ex.add_argument("plan")
+    ex.add_argument("plan", help="plan file (from plan compile)")
     ex.add_argument("--device", type=int, default=None, help="explain this device (default: the most loaded)")
     ex.add_argument("--profile", default=None, help="cost profile (default: the plan's)")
 
@@ -198,8 +208,10 @@ def _add_inspect(sub) -> None:
 def _add_run(sub) -> None:
     r = sub.add_parser("run", help="execute a plan: every device in this process (on the CPU or one GPU), or one "
                                    "process per device (--procs, CPU)")
-    r.add_argument("plan")
-    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    r.add_argument("plan", help="plan file (from plan compile)")
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the random inputs and of the run (default float32, whatever dtype the plan was "
+                        "compiled for: the closest check against dense attention)")
     r.add_argument("--check", action="store_true", help="compare outputs and gradients with dense masked attention")
     r.add_argument("--devices", type=POSITIVE_DEVICES, default=None,
                    help="expected device count (error if the plan differs)")
@@ -224,17 +236,17 @@ def _add_compare_bench(sub) -> None:
     cp = sub.add_parser("compare", help="compile several strategies on one batch, side by side")
     _batch_args(cp)
     cp.add_argument("--mask", default="causal")
-    cp.add_argument("--devices", type=POSITIVE_DEVICES, required=True)
+    cp.add_argument("--devices", type=POSITIVE_DEVICES, required=True, help=f"devices, 1..{limits.MAX_DEVICES}")
     _shape_args(cp)
     cp.add_argument("--strategies", default="all",
                     help="comma-separated strategy names, or all; NAME:VARIANT runs NAME's placement with another "
-                         "communication mode: p2p (relays and reduces), relay (relays only), direct (neither), ring, "
-                         "allgather, allgather_ring, a2a")
+                         f"communication mode: {_VARIANTS}")
     cp.add_argument("--json", action="store_true")
     cp.add_argument("--html", default=None, help="write the visual comparison report to this file")
 
     bn = sub.add_parser("bench", help="every strategy over a workload file: table, JSON, plots")
-    bn.add_argument("--batches", default=None, help="JSONL of batches (default: ../shared/workloads/batches.jsonl)")
+    bn.add_argument("--batches", default=None, help="JSONL of batches (default: shared/workloads/batches.jsonl beside "
+                    "the attnplan package folder)")
     bn.add_argument("--names", default=None, help="comma-separated batch names to keep")
     bn.add_argument("--masks", type=_mask_list, default="causal",
                     help="masks separated by ';', e.g. 'causal;streaming(64,4096)'")
@@ -242,7 +254,7 @@ def _add_compare_bench(sub) -> None:
                     help=f"comma-separated device counts, each 1..{limits.MAX_DEVICES} (8 devices a node)")
     bn.add_argument("--strategies", default="all",
                     help="all (every strategy and its variants: span{grain=1}, span{grain=2}, ...) or comma-separated "
-                    "NAME, NAME{options}, NAME:VARIANT")
+                    f"NAME, NAME{{options}}, NAME:VARIANT (VARIANT: {_VARIANTS})")
     _shape_args(bn, nodes=False)
     bn.add_argument("--out", default="out/bench", help="folder for bench.json, summary.txt and PNG plots "
                     "(created if missing; an existing file is an error)")

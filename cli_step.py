@@ -94,7 +94,8 @@ def add_step_parser(sub) -> None:
                     "- writes it to stdout, the table to stderr")
     co = ss.add_parser("compile", help="one system's step plan file: micro-batches, groups, attention plans")
     _problem_args(co)
-    co.add_argument("--system", default="fixed", help="the batch-level system, e.g. wlb or pool{micro=2}")
+    co.add_argument("--system", default="fixed",
+                    help="the batch-level system (default: fixed, plain packing), e.g. wlb or pool{micro=2}")
     co.add_argument("-o", "--output", required=True, help="step plan file to write (F.step)")
     sh = ss.add_parser("show", help="every fragment of a step plan file with its micro-batch and global ranks, and "
                        "with a pipeline every stage's schedule")
@@ -102,7 +103,8 @@ def add_step_parser(sub) -> None:
     sh.add_argument("--json", action="store_true")
     bn = ss.add_parser("bench", help="every system on every batch of a workload file (4 nodes x 8 devices): "
                        "progress bar, table, JSON, plots")
-    bn.add_argument("--batches", default=None, help="JSONL of batches (default: ../shared/workloads/batches.jsonl)")
+    bn.add_argument("--batches", default=None, help="JSONL of batches (default: shared/workloads/batches.jsonl beside "
+                    "the attnplan package folder)")
     bn.add_argument("--names", default=None, help="comma-separated batch names to keep")
     bn.add_argument("--systems", default="all", help="comma-separated systems (options in braces), or all")
     bn.add_argument("--model", default="llama3-8b", help="preset (default llama3-8b) or FILE.json")

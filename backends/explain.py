@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import PlanError
 from ..ir.groups import ungroup
-from ..ir.program import KINDS, PHASES, T_BYTES, T_DST, T_HG, T_KIND, T_PHASE, T_SRC, T_TB
+from ..ir.program import BWD, KINDS, PHASES, T_BYTES, T_DST, T_HG, T_KIND, T_PHASE, T_SRC, T_TB
+from ..ir.schedule import phase_schedule
 from .floor import placement_floor
 from .panels import panel_data, plan_profile
 
@@ -140,6 +141,8 @@ def _work_sources(plan, focus: int, cbs: np.ndarray, top: int) -> list[str]:
     parts = [f"#{i} ({int(p.seqlens[i]):,} tokens) {per_doc[i] / max(1, dev_pairs):.1%}"
              f" (d{focus} does {per_doc[i] / max(1, doc_total[i]):.0%} of it)" for i in order if per_doc[i] > 0]
     items = []
+    stage = ir.schedule.cb_stage
+    bwd = phase_schedule(g, ir.placement, ir.schedule, BWD).cb_stage  # own blocks last under overlap{local=last}
     docs_of = np.bincount(owner, minlength=g.n_cb) if g.grouped else None
     for c in cbs[np.argsort(-pairs, kind="stable")[:top]].tolist():
         q, k = int(g.cb_q[c]), int(g.cb_k[c])
@@ -149,8 +152,8 @@ def _work_sources(plan, focus: int, cbs: np.ndarray, top: int) -> list[str]:
         else:
             where = (f"q tb{q} ({int(g.tb_len[q]):,} rows) × kv tb{k} ({int(g.tb_len[k]):,} rows) hg{g.cb_hg[c]} "
                      f"{g.cb_pairs[c]:,} pairs (varlen group: {int(docs_of[c])} span pairs, ")
-        items.append(f"c{c} {where}stage {ir.schedule.cb_stage[c]})")
-    return [f"  documents ({int((per_doc > 0).sum())} in all): " + "; ".join(parts),
+        items.append(f"c{c} {where}stage {stage[c]}" + (f", backward stage {bwd[c]})" if bwd[c] != stage[c] else ")"))
+    return [f"  documents it works on ({int((per_doc > 0).sum())} of {len(p.seqlens)}): " + "; ".join(parts),
             "  largest blocks: " + "; ".join(items)]
 
 

@@ -7,7 +7,8 @@ against ``plan.stats()``:
   ``max_bins``, consecutive token blocks are grouped into at most
   ``max_bins`` bins of about equal tokens, so at most ``max_bins²`` cells are
   drawn; a cell keeps its exact pair count, its pairs per device (the
-  dominant device colours it), its stages and the range of blocks it stands for.
+  dominant device colours it), its stages (the schedule's: the forward's order) and the range of blocks it
+  stands for.
 * :func:`device_bars` — per device: forward attention FLOPs, tokens homed,
   buffer memory (forward, backward), bytes in and out, with their means.
 * :func:`comm_matrix` — device × device bytes moved (forward, backward) and

@@ -14,7 +14,8 @@
   peak): perfect balance, no exposed communication, same profile as
   ``predicted_s`` so that predicted / lower bound = 1 means perfect.
 * predicted_s: simulated forward + backward makespan (see ``cost``).
-* last_stage_share: share of compute FLOPs in the schedule's last stage
+* last_stage_share: share of compute FLOPs in the schedule's last stage (the
+  forward's; under ``overlap{local=last}`` the backward also runs its own blocks there)
   (what division scheduling should keep low; 1.0 for a single stage).
 * kernel_work_ratio: work with every piece's query rows rounded up to the
   kernel tile (128 rows on GPUs) over exact work — what short blocks waste.

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..ir.program import M_BYTES, M_DST, M_END, M_SRC, M_START, T_KIND, T_TB
-from ..passes.emit import phase_schedule
+from ..ir.schedule import phase_schedule
 from .cost import Profile, resolve_profile, simulate
 
 # timeline lanes

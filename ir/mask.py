@@ -308,11 +308,15 @@ class Pieces:
         i, j = _pairwise(self.a, other.a)
         return Pieces(normalize(intersect_rows(self.a[i], other.a[j])))
 
-    def subtract(self, other: Pieces) -> Pieces:
+    def subtract(self, other: Pieces, charge=None) -> Pieces:
+        """The pairs of this set not in ``other``, one piece of ``other`` at a time. ``charge``, if
+        given, is called with the pieces each step tests (a caller's work budget)."""
         cur = self.a
         for b in other.a:
             if not len(cur):
                 break
+            if charge is not None:
+                charge(len(cur))
             hit = ((cur[:, Q0] < b[Q1]) & (b[Q0] < cur[:, Q1])
                    & (cur[:, K0] < b[K1]) & (b[K0] < cur[:, K1]))
             if hit.any():

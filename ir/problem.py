@@ -259,6 +259,8 @@ class Problem:
             shown += "; cross-attention, queries [" + ", ".join(map(str, ql[:16])) + (", ..." * (len(ql) > 16)) + "]"
         if self.head_class is not None:
             shown += f"; per-head masks, {self.n_classes} classes, head classes {self.head_class.tolist()[:32]}"
+        text = self.mask.strip()
+        mask = " " + repr(text) if "\n" not in text else "\n    " + text.replace("\n", "\n    ")  # a .mask file
         return (f"problem tokens={self.tokens} heads={self.heads} kv_heads={self.kv_heads} "
                 f"head_dim={self.head_dim} dtype={self.dtype} pieces={len(self.pieces)} "
-                f"pairs={self.pairs()}\n  seqlens [{shown}]\n  mask {self.mask.strip()!r}")
+                f"pairs={self.pairs()}\n  seqlens [{shown}]\n  mask{mask}")

@@ -4,9 +4,17 @@ transfers feed it. Backward transfers follow from the forward ones (see
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .program import BWD
+
+if TYPE_CHECKING:
+    from .graph import BlockGraph
+    from .placement import Placement
 
 # forward transfer kinds
 X_Q, X_KV, X_O = 0, 1, 2
@@ -35,7 +43,7 @@ class Schedule:
     #                         reaches another multiple of F (0: a run per partner; passes/emit.compute_runs)
     local_last: bool = False  # overlap{local=last}: in the backward a device runs its blocks that need nothing
     #                           remote after all its others, in its last stage, so its partials travel while it
-    #                           computes its own (passes/emit.phase_schedule)
+    #                           computes its own (phase_schedule below)
 
     def __post_init__(self):
         self.cb_stage.setflags(write=False)
@@ -51,3 +59,21 @@ class Schedule:
         if len(self.xfer) > limit:
             lines.append(f"  ... ({len(self.xfer)} transfers)")
         return "\n".join(lines)
+
+
+def phase_schedule(g: BlockGraph, pl: Placement, s: Schedule, phase: int) -> Schedule:
+    """The schedule a phase's program follows: ``s``, except in the
+    backward under ``s.local_last``, where the blocks needing nothing remote
+    run in the last stage, after every other block
+    (:func:`attnplan.passes.emit.compute_order`): a device's partial outputs
+    leave before its own work, which then hides their flight (the forward
+    keeps them first: its partials are few and its local blocks hide the
+    first data's). The verifier checks every program against it."""
+    if phase != BWD or not s.local_last:
+        return dataclasses.replace(s, local_last=False) if s.local_last else s
+    return dataclasses.replace(s, cb_stage=np.where(own_blocks(g, pl), s.stages - 1, s.cb_stage))
+
+
+def own_blocks(g: BlockGraph, pl: Placement) -> np.ndarray:
+    """Per compute block: whether it needs nothing remote (its Q and KV are homed on its device)."""
+    return (pl.home[g.cb_q] == pl.cb_device) & (pl.home[g.cb_k] == pl.cb_device)

@@ -25,6 +25,12 @@
    of all programs (rendezvous semantics) finishes: no deadlock.
 6. Per-device buffer memory stays under ``ir.memory_cap`` in each phase.
 
+A program also runs its compute blocks in its schedule's order (what the
+simulator's stages, the timeline and auto's schedule bound assume): on each
+device, stages ascending, within a stage the blocks needing nothing remote
+first — in the backward under ``schedule.local_last`` they are all in the
+last stage, after every other block (:func:`attnplan.ir.schedule.phase_schedule`).
+
 Beyond the invariants, everything the runtime relies on is checked: every
 opcode is legal in its phase, every operand names what the instruction set
 (:data:`attnplan.ir.program.ISA`) says it names (a message of this phase and
@@ -58,12 +64,13 @@ from .mask import HI, K0, K1, LO, Q0, Q1, first_overlap, piece_counts, tight
 from .module import PlanIR
 from .placement import Placement
 from .problem import Problem
+from .program import A1, ATTN, ATTN_BWD, BWD, FWD, OP, PHASES
 from .program_check import check_shape as _shape
 from .relation import table
 from .program_check import fail as _fail
 from .program_check import first as _first
 from .program_check import verify_phase, verify_program
-from .schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, Schedule
+from .schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, Schedule, own_blocks, phase_schedule
 
 __all__ = ["NEED_DST", "NEED_HG", "NEED_SRC", "NEED_TB", "VerifyCache", "needed_transfers", "verify",
            "verify_graph", "verify_phase", "verify_placement", "verify_problem", "verify_program", "verify_schedule"]
@@ -391,6 +398,9 @@ def _check_xfer_table(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
     _shape(s.xfer, (None, 6), "schedule.xfer", 3)
     if ((s.cb_stage < 0) | (s.cb_stage >= s.stages)).any():
         _fail(3, "schedule stages do not match the compute blocks")
+    if s.local_last and (s.collective or not s.overlap):
+        _fail(3, f"schedule.local_last (overlap{{local=last}}) orders an overlapped p2p schedule; this one has "
+                 f"overlap={s.overlap}, collective={s.collective}")
     if s.collective and (s.stages != 1 or s.overlap):
         _fail(3, f"a collective schedule (comm{{mode=a2a}}) has one stage and no overlap; this one has {s.stages} "
                  f"stages, overlap={s.overlap}")
@@ -482,6 +492,32 @@ def verify_schedule(g: BlockGraph, pl: Placement, s: Schedule) -> None:
     _check_partials_scheduled(g, pl, s)
 
 
+def verify_order(g: BlockGraph, pl: Placement, s: Schedule, prog) -> None:
+    """Each device's program runs its compute blocks in the order of its
+    phase's schedule (:func:`attnplan.ir.schedule.phase_schedule`): stages
+    ascending; within a stage the blocks needing nothing remote first, or,
+    in the backward under ``local_last``, last."""
+    own = own_blocks(g, pl)
+    for phase in (FWD, BWD):
+        code = prog.code[phase]
+        C = np.concatenate(code) if code else np.zeros((0, 6), np.int64)
+        dev = np.repeat(np.arange(len(code), dtype=np.int64), [len(c) for c in code])
+        sel = C[:, OP] == (ATTN if phase == FWD else ATTN_BWD)
+        cb, d = C[sel, A1], dev[sel]
+        ps = phase_schedule(g, pl, s, phase)
+        last = phase == BWD and s.local_last
+        key = ps.cb_stage[cb] * 3 + np.where(own[cb], 2 if last else 0, 1)
+        bad = _first((d[1:] == d[:-1]) & (key[1:] < key[:-1]))
+        if bad is not None:
+            a, b = int(cb[bad]), int(cb[bad + 1])
+            what = {0: "needs nothing remote", 1: "needs remote data", 2: "needs nothing remote"}
+            rule = ("its blocks needing nothing remote after every other (schedule.local_last)" if last else
+                    "stages ascending, in each the blocks needing nothing remote first")
+            _fail(3, f"d{d[bad]} runs c{b} (stage {ps.cb_stage[b]}, {what[int(key[bad + 1] % 3)]}) after c{a} "
+                     f"(stage {ps.cb_stage[a]}, {what[int(key[bad] % 3)]}) in its {PHASES[phase]} program; its "
+                     f"schedule's order is {rule}")
+
+
 # ------------------------------------------------------------------------------------------------ verify
 
 class VerifyCache:
@@ -524,6 +560,8 @@ def _levels(ir: PlanIR) -> list:
             out.append(("schedule", (g, pl, s), lambda: verify_schedule(g, pl, s)))
         if prog is not None:
             out.append(("program", (g, pl, prog, ir.memory_cap), lambda: verify_program(g, pl, prog, ir.memory_cap)))
+            if s is not None:
+                out.append(("order", (g, pl, s, prog), lambda: verify_order(g, pl, s, prog)))
     return out
 
 

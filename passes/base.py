@@ -120,6 +120,8 @@ def instantiate(cls, owner: str, options: str, err: type[Exception] = PlanError)
         key = key.strip()
         if not opt:
             raise err(f"{owner}: an empty option in {options[:60]!r}; write opt=value,opt=value")
+        if not eq and key in fields:
+            raise err(f"{owner}: option {key!r} needs a value ({key}=...)")
         if not eq or key not in fields:
             raise err(f"{owner}: unknown option {opt[:60]!r}; options: {', '.join(fields) or '(none)'}")
         if key in kwargs:

@@ -109,6 +109,10 @@ def parse_entry(entry: str) -> tuple[str, str | None]:
     what is unknown."""
     head, _, variant = entry.partition(":")
     name, brace, _ = head.partition("{")
+    if name == "auto":
+        raise PlanError(f"{entry!r}: auto takes no options or variant (it tries each strategy's variants itself)"
+                        if entry != "auto" else "auto chooses among the strategies (compile --strategy auto); it is "
+                        "not an entry of a strategy list")
     if name not in strategies():
         close = difflib.get_close_matches(name, list(strategies()) + ["auto"], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -49,7 +49,6 @@ counts.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +61,7 @@ from ..ir.program import (ADD, ATTN, ATTN_BWD, B_DKV, B_DQ, B_KV, B_O, B_Q, BWD,
                           M_DST, M_PHASE, M_SRC, M_START, MERGE, PART, PHASES, RECV, RECVD, SEND, T_BYTES, T_COLS,
                           T_DST, T_HG, T_KIND, T_PHASE, T_RBUF, T_SBUF, T_SRC, T_TAG, T_TB, WAIT, Program,
                           buffer_bytes)
-from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, Schedule
+from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, Schedule, phase_schedule
 from ..ir.verify import needed_transfers
 from .base import Pass
 from .comm import HOP_CROSS, reduce_rows
@@ -475,19 +474,6 @@ def compute_order(g: BlockGraph, pl: Placement, s: Schedule) -> np.ndarray:
     partner = np.where(kv_away, pl.home[ck], pl.home[cq])
     shift = np.where(kv_away | q_away, (partner - dev) % pl.devices, pl.devices if s.local_last else -1)
     return np.lexsort((chg, ck, cq, shift, cst, dev))
-
-
-def phase_schedule(g: BlockGraph, pl: Placement, s: Schedule, phase: int) -> Schedule:
-    """The schedule a phase's program follows: ``s``, except in the
-    backward under ``s.local_last``, where the blocks needing nothing remote
-    run in the last stage (after every other block, :func:`compute_order`):
-    a device's partial outputs leave before its own work, which then hides
-    their flight (the forward keeps them first: its partials are few and its
-    local blocks hide the first data's)."""
-    if phase != BWD or not s.local_last:
-        return dataclasses.replace(s, local_last=False) if s.local_last else s
-    local = (pl.home[g.cb_q] == pl.cb_device) & (pl.home[g.cb_k] == pl.cb_device)
-    return dataclasses.replace(s, cb_stage=np.where(local, s.stages - 1, s.cb_stage))
 
 
 def compute_runs(g: BlockGraph, pl: Placement, s: Schedule, order: np.ndarray) -> np.ndarray:

@@ -60,7 +60,9 @@ def compare_systems(problem: StepProblem, names, progress=None) -> tuple[list[di
         try:
             c = compile_step(problem, name)
         except (StepError, PlanError, VerifyError) as e:  # this system's failure (a broken pass included)
-            rows.append({"system": name, "error": str(e).splitlines()[0]})
+            first, base = str(e).splitlines()[0], name.partition("{")[0]
+            named = first.startswith((base, f"step plan of {base}"))  # each row names its system once
+            rows.append({"system": name, "error": first if named else f"{base}: {first}"})
         else:
             done[name] = c
             rows.append(row_of(name, c))

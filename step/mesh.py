@@ -70,7 +70,9 @@ class Mesh:
         if n > k and n % k:
             raise StepError(f"mesh: the {n} devices of a stage must fill whole nodes of {k} devices")
         if n < k and k % n:
-            raise StepError(f"mesh: {n} devices cannot be laid out on nodes of {k} devices")
+            fits = ", ".join(str(d) for d in [*range(1, k), k, 2 * k, 3 * k] if d % k == 0 or k % d == 0)
+            raise StepError(f"mesh: a stage of {n} devices (dp x cp) must divide a node of {k} devices or fill whole "
+                            f"nodes: {fits}, ... devices")
 
     @property
     def devices(self) -> int:

@@ -182,6 +182,33 @@ def test_piece_operations_are_bounded(monkeypatch):
     assert "pieces" in e.message and e.col == 17
 
 
+def test_complements_of_whole_bands_take_their_gaps():
+    """``!`` of diagonal bands that span the square (a periodic diagonal, a window) is the bands between
+    them, one piece each, exact — not the square cut by every band (a quarter of n^2 pieces)."""
+    L = 300
+    for text, want in (("!((k - q) % 7 == 0)", "(k - q) % 7 != 0"), ("!sliding_window(16)", "!(k <= q & k > q - 16)"),
+                       ("!!((k - q) % 5 == 0)", "(k - q) % 5 == 0"), ("!(causal & k > q - 3) | k == 1", None)):
+        got = dense(parse_mask(text), L)
+        if want is not None:
+            assert np.array_equal(got, dense(parse_mask(want), L)), text
+    q, k = np.arange(L)[:, None], np.arange(L)[None, :]
+    assert np.array_equal(got, ~((k <= q) & (k > q - 3)) | (k == 1))
+    diagonals = parse_mask("(k - q) % 7 == 0").lower(16_384)
+    big = parse_mask("!((k - q) % 7 == 0)").lower(16_384)  # 4,681 diagonals, none at the corners: 4,682 gaps
+    assert len(big) == len(diagonals) + 1 and big.pair_count() == 16_384 ** 2 - diagonals.pair_count()
+
+
+def test_a_complement_that_splits_on_every_step_stops_at_the_work_limit(monkeypatch):
+    """Clipped diagonals are not whole bands: the square is cut by each, and the pieces grow with every
+    step. What the subtraction tests beyond its estimate is charged as it runs, so it stops at the limit."""
+    monkeypatch.setattr(setops, "MAX_MASK_WORK", 10 ** 8)
+    prog = parse_mask("!((k - q) % 7 == 0 & k >= 5)")
+    n = len(parse_mask("(k - q) % 7 == 0 & k >= 5").lower(4096))
+    assert setops._subtract_cost(1, n) < 10 ** 8  # the estimate alone lets it start
+    e = pytest.raises(MaskError, prog.lower, 4096).value
+    assert "MAX_MASK_WORK" in e.message and "a complement of" in e.message
+
+
 # ------------------------------------------------------------------ batches
 
 def test_lengths_are_checked_against_the_limits():

@@ -7,13 +7,16 @@ dense attention and survive their file."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 import attnplan
 from attnplan.backends.cost import get_profile, simulate
-from attnplan.errors import PlanError
+from attnplan.errors import PlanError, PlanFileError, VerifyError
+from attnplan.ir.verify import verify
 from attnplan.ir.program import ATTN, ATTN_BWD, BWD, FWD, OP
 from attnplan.runtime.check import TOLERANCE, random_inputs, reference
 
@@ -82,6 +85,34 @@ def test_the_plan_file_keeps_it(tmp_path):
     assert back.ir.program == plan.ir.program
     h100 = get_profile("h100")
     assert simulate(back.ir, h100)["predicted_s"] == simulate(plan.ir, h100)["predicted_s"]
+
+
+def test_the_verifier_holds_the_flag_to_the_program():
+    """The flag and the program agree: a program emitted with own blocks first under a schedule that says
+    ``local_last`` (or the other way round), or one whose blocks run out of stage order, does not verify."""
+    first, last = compile_("first"), compile_("last")
+    for plan, flag in ((first, True), (last, False)):
+        lied = plan.ir.replace(schedule=dataclasses.replace(plan.ir.schedule, local_last=flag))
+        with pytest.raises(VerifyError, match=r"invariant 3: d\d+ runs c\d+ .* in its bwd program; its schedule's order"):
+            verify(lied)
+    code = [c.copy() for c in first.ir.program.code[FWD]]
+    dev = next(d for d in range(first.ir.devices) if all(own_and_remote(first, FWD, d)))
+    own, remote = own_and_remote(first, FWD, dev)
+    rows = np.arange(len(code[dev]))
+    code[dev] = code[dev][np.insert(np.delete(rows, own[0]), remote[-1], own[0])]  # an own block after the remote
+    swapped = dataclasses.replace(first.ir.program, code=(tuple(code), first.ir.program.code[BWD]))
+    with pytest.raises(VerifyError, match=f"invariant 3: d{dev} runs .* in its fwd program"):
+        verify(first.ir.replace(program=swapped))
+
+
+def test_a_plan_file_whose_flag_disagrees_does_not_load():
+    from attnplan.backends.planfile import pack_body
+
+    from .test_planfile import _body
+    body = _body(compile_("first").to_bytes())
+    body["schedule"]["local_last"] = True
+    with pytest.raises(PlanFileError, match="plan does not verify: invariant 3: .*schedule.local_last"):
+        attnplan.Plan.from_bytes(pack_body(body), "t.plan")
 
 
 @pytest.mark.parametrize("keep_kv", [False, True])

@@ -313,7 +313,7 @@ def test_explain_names_the_most_loaded_device_and_its_document(case):
     top = int(flops.argmax())
     assert f"most loaded device d{top}: {flops[top] / flops.mean():.2f}× mean forward FLOPs" in text
     # the long document is where the work is: it is named first among the top device's documents
-    docs = re.search(r"documents \(\d+ in all\): #(\d+)", text)
+    docs = re.search(r"documents it works on \(\d+ of \d+\): #(\d+)", text)
     assert docs and int(docs.group(1)) == 0, text
     t = stats["predicted_s"]
     assert (f"predicted {t * 1e3:.3f} ms" if t >= 1e-3 else f"predicted {t * 1e6:.1f} µs") in text

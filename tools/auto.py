@@ -653,8 +653,10 @@ def compile_auto(kwargs: dict, keep: int = KEEP):
         try:
             verify(ir)
         except VerifyError as e:
+            cap = ("; auto chooses by predicted time and does not search under a memory cap: compile a strategy "
+                   "that fits, or raise the cap" if str(e).startswith("invariant 6") else "")
             raise VerifyError(f"auto: the chosen plan ({name}: {','.join(p.spec() for p in passes)}) does not "
-                              f"verify: {e}") from None
+                              f"verify: {e}{cap}") from None
     spent["verify_s"] = time.perf_counter() - t1
     meta = {"pipeline": ",".join(p.spec() for p in passes), "strategy": f"auto:{name}",
             "block_size": kwargs["block_size"], "profile": kwargs["profile"], "candidates": candidates,

@@ -85,10 +85,10 @@ from ..backends.cost import DTYPE_EFFICIENCY, cb_seconds, link_seconds
 from ..backends.walk import merge_seconds
 from ..ir.module import PlanIR
 from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
-from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB
+from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XK, XSRC, XSTAGE, XTB, phase_schedule
 from ..ir.verify import needed_transfers
 from ..passes.comm import HOP_CROSS, reduced_partials
-from ..passes.emit import compute_order, compute_runs, own_last, phase_schedule, run_bounds
+from ..passes.emit import compute_order, compute_runs, own_last, run_bounds
 
 
 _TINY = 1e-300  # a segment offset above 0 where every value is 0
@@ -154,7 +154,7 @@ class _Shape:
 def _shape(ir: PlanIR, kinds: tuple = (X_Q, X_KV), phase: int = FWD) -> _Shape:
     """``kinds``: the data kinds that travel (the backward under ``keep_kv``:
     Q only, every KV block a device reads is the forward's copy); ``phase``:
-    whose program order (:func:`attnplan.passes.emit.phase_schedule`)."""
+    whose program order (:func:`attnplan.ir.schedule.phase_schedule`)."""
     g, pl = ir.need_graph(), ir.need_placement()
     s = phase_schedule(g, pl, ir.need_schedule(), phase)
     n = pl.devices

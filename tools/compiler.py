@@ -212,7 +212,7 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     (``"causal"``, ``"sliding_window(256) | k < 16"``), a path to a ``.mask``
     file, or a parsed ``MaskProgram``. ``kv_heads`` defaults to ``heads``.
     ``pipeline`` overrides ``strategy``/``block_size`` with a pass pipeline
-    string; ``strategy="NAME:VARIANT"`` is the strategy's default pipeline
+    string (its ``tile`` pass's block is the plan's); ``strategy="NAME:VARIANT"`` is the strategy's default pipeline
     under another comm step (``per_doc:direct``, ``zigzag:allgather``; the
     variants of ``attnplan.passes.comm.COMM_VARIANTS``). ``strategy="auto"`` places every strategy, then compiles and
     simulates them in order of a lower bound of their time until the next
@@ -260,8 +260,10 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
                       verify_each=verify, instruments=instruments, max_compute_blocks=max_blocks)
     if ir.program is None:
         raise PlanError(f"pipeline {pipeline!r} does not end in a program; add 'emit'")
+    from ..passes.tile import Tile
+    block = next((p.block for p in passes if isinstance(p, Tile)), opts["block_size"])  # a pipeline's own tile
     meta = {"pipeline": ",".join(p.spec() for p in passes), "strategy": strategy if named else "",
-            "block_size": opts["block_size"], "profile": opts["profile"]}
+            "block_size": block, "profile": opts["profile"]}
     from ..backends.cost import get_profile
     return Plan(ir, meta, {"plan_s": time.perf_counter() - t0}, get_profile(opts["profile"]))
 

@@ -27,6 +27,9 @@ from .compiler import compile as compile_plan
 from ..errors import AttnplanError, PlanError
 from ..ir.limits import MAX_PREFETCH
 
+WORKER_DIED = ("a planning worker process died (killed, out of memory, or started by a script outside "
+               "`if __name__ == '__main__':` — each spawned worker imports the script)")
+
 _BATCH_KEYS = ("seqlens", "segments")
 MAX_RESTARTS = 3  # worker deaths in a row after which the prefetcher gives up
 
@@ -197,8 +200,8 @@ class PlanPrefetcher:
             res = item.future.result()
         except BrokenProcessPool:
             self._restart(item.name)
-            raise PlanError(f"batch {item.name}: a planning worker process died (killed, or out of memory) "
-                            f"before this batch was planned; {self._after_death()}") from None
+            raise PlanError(f"batch {item.name}: {WORKER_DIED} before this batch was planned; "
+                            f"{self._after_death()}") from None
         except Exception as e:  # the batch could not be handed to a worker (e.g. it does not pickle)
             raise PlanError(f"batch {item.name}: cannot send the batch to a planning worker: "
                             f"{type(e).__name__}: {str(e)[:200]}") from None

@@ -118,7 +118,7 @@ from ..step.model import Model, model_from_dict
 from ..step.stepfile import LoadedStep
 from ..step.stepfile import pack as pack_step
 from ..step.stepfile import unpack as unpack_step
-from .prefetch import PlanPrefetcher
+from .prefetch import WORKER_DIED, PlanPrefetcher
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -594,8 +594,7 @@ class _Chain:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = ProcessPoolExecutor(1, mp_context=self._ctx)
-            res = ("error", PlanError("a planning worker process died (killed, or out of memory) before this "
-                                      "step was planned; the worker was restarted"))
+            res = ("error", PlanError(f"{WORKER_DIED} before this step was planned; the worker was restarted"))
         if res[0] == "error":
             self._advance()
             raise res[1].with_prefix(f"batch {request['name']}: ")
