@@ -166,6 +166,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("union of 10,000 diagonals on 300 tokens", ["compile", "--seqlens", "300", "--devices", "2", "--mask", f"{tmp}/diag.mask", "-o", f"{tmp}/a.plan"], "ok"),
         ("union of 10,000 rectangles on 4,096 tokens", ["compile", "--seqlens", "4096", "--devices", "2", "--mask", f"{tmp}/rect.mask", "-o", f"{tmp}/a.plan"], "ok"),
         ("that union with a typo in its last term", ["compile", "--seqlens", "4096", "--devices", "2", "--mask", f"{tmp}/typo.mask", "-o", f"{tmp}/a.plan"], "error"),
+        ("complement of 4,681 diagonals on 16,384 tokens", ["compile", "--seqlens", "16384", "--devices", "2", "--mask", "!((k - q) % 7 == 0)", "-o", f"{tmp}/a.plan"], "ok"),
+        ("complement of 4,681 clipped diagonals on 16,384 tokens", ["compile", "--seqlens", "16384", "--devices", "2", "--mask", "!((k - q) % 7 == 0 & k >= 5)", "-o", f"{tmp}/a.plan"], "error"),
         ("union of 490 terms", ["compile", "--seqlens", "500", "--devices", "2", "--mask", " | ".join(["causal"] * 490), "-o", f"{tmp}/a.plan"], "ok"),
         ("empty mask: k < q on one-token documents", ["compile", "--seqlens", "1,1,1", "--devices", "2", "--mask", "k < q", "-o", f"{tmp}/e.plan"], "ok"),
         ("empty mask: !full", ["compile", "--seqlens", "100", "--devices", "2", "--mask", "!full", "-o", f"{tmp}/e2.plan"], "ok"),

@@ -43,16 +43,18 @@ class _ParenNewlines(PostLex):
             yield tok
 
 
-_PARSER: Lark | None = None
+_PARSERS: dict = {}
 
 
-def parser() -> Lark:
-    """The (cached) LALR parser of the mask language."""
-    global _PARSER
-    if _PARSER is None:
-        _PARSER = Lark(Path(__file__).with_name("mask.lark").read_text(), parser="lalr",
-                       postlex=_ParenNewlines(), maybe_placeholders=False)  # tokens carry line/col
-    return _PARSER
+def parser(transformer=None) -> Lark:
+    """The (cached) LALR parser of the mask language; with ``transformer``, one that builds its result
+    while it reduces (lark's inline transformer) instead of a parse tree."""
+    key = id(transformer)
+    if key not in _PARSERS:
+        _PARSERS[key] = (Lark(Path(__file__).with_name("mask.lark").read_text(), parser="lalr",
+                              postlex=_ParenNewlines(), maybe_placeholders=False,  # tokens carry line/col
+                              transformer=transformer), transformer)
+    return _PARSERS[key][0]
 
 
 _EXPR_START = {"NAME", "NUMBER", "LPAR", "MINUS", "NOT"}
@@ -119,10 +121,11 @@ def _unexpected_token(e: UnexpectedToken, text: str, filename: str) -> MaskError
     return MaskError(msg, filename, line or 1, col or 1, text)
 
 
-def parse_text(text: str, filename: str):
-    """lark's parse tree of ``text``; every failure is one MaskError with a line and column."""
+def parse_text(text: str, filename: str, transformer=None):
+    """lark's parse of ``text`` (a parse tree, or what ``transformer`` builds); every failure is one
+    MaskError with a line and column."""
     try:
-        return parser().parse(text)
+        return parser(transformer).parse(text)
     except UnexpectedInput as e:
         raise syntax_error(e, text, filename) from None
     except TooDeep as e:

@@ -117,6 +117,7 @@ Examples::
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,7 +135,7 @@ from .names import Scope, mentions, resolve
 from .render import render
 from .setops import Budget
 from .stdlib import Segments
-from .tree import Call, Let, MaskStmt, to_ast
+from .tree import Builder, Call, Let, MaskStmt
 
 __all__ = ["MaskProgram", "parse_mask", "load_mask", "lower_batch", "render"]
 
@@ -234,8 +235,15 @@ def _check_text(text, filename) -> None:
                         f"(ir/limits.py)", filename)
 
 
+_BUILDER = Builder()
+_BUILDING = threading.Lock()  # the builder holds the current parse's error maker
+
+
 def _statements(text: str, filename: str, err) -> list:
-    return to_ast(parse_text(text, filename), err)
+    """The statements of ``text``, built as it is parsed (:class:`attnplan.frontend.tree.Builder`)."""
+    with _BUILDING:
+        _BUILDER.err = err
+        return parse_text(text, filename, _BUILDER)
 
 
 def _check_names(stmts: list, filename: str, err) -> tuple[dict, MaskStmt | None, bool]:

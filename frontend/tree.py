@@ -3,9 +3,10 @@
 Nodes are frozen dataclasses carrying the line and column a caret points at.
 Left-associative chains (``a | b | c``, ``a & b``, ``a + b - c``, ``a * b // c``)
 become one :class:`Fold` node with n terms, so a 10,000-term union is one
-node, not a tree 10,000 levels deep. The conversion walks lark's tree with an
-explicit stack (no recursion), and checks number literals against
-``MAX_MASK_INT`` before converting them.
+node, not a tree 10,000 levels deep. The nodes are built as lark's LALR parser
+reduces (:class:`Builder`, its inline transformer: no parse tree, no
+recursion), and number literals are checked against ``MAX_MASK_INT`` before
+they are converted.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable
 
-from lark import Token, Tree
+from lark import Token
 
 from attnplan.errors import MaskError
 from attnplan.ir.limits import MAX_MASK_INT
@@ -22,7 +23,7 @@ from attnplan.ir.limits import MAX_MASK_INT
 from .stdlib import BUILTINS
 
 __all__ = ["Node", "Num", "Name", "Call", "Fold", "Unary", "Chain", "InSeg", "Let", "MaskStmt", "RESERVED",
-           "start_of", "to_ast"]
+           "start_of", "Builder"]
 
 RESERVED = ("q", "k", "L", "Lq", "Lk", "h")
 _MAX_DIGITS = len(str(MAX_MASK_INT))
@@ -124,18 +125,43 @@ def number_value(tok: Token, err: Err) -> int | Fraction:
 _FOLDS = ("union", "inter", "sum", "product")
 
 
-def _spine(tree: Tree) -> list:
-    """The children of a left-nested chain of one rule, flat: ``[t0, op1, t1, op2, t2, ...]``."""
-    rights = []
-    node = tree
-    while isinstance(node, Tree) and node.data == tree.data:
-        left, op, right = node.children
-        rights.append((op, right))
-        node = left
-    flat = [node]
-    for op, right in reversed(rights):
-        flat += [op, right]
-    return flat
+class _Open(list):
+    """A left-associative chain being reduced: ``[t0, op1, t1, ...]`` of one rule (``rule``), extended in
+    place as the parser reduces ``rule: rule OP term`` (so 10,000 terms cost 10,000 appends), made a
+    :class:`Fold` once something else takes it."""
+    __slots__ = ("rule",)
+
+
+def _closed(kid, err):
+    return _fold(kid, err) if isinstance(kid, _Open) else kid
+
+
+class Builder:
+    """The AST built while lark's LALR parser reduces (its inline ``transformer``: no parse tree is made).
+    One method per rule; ``err`` is the current parse's MaskError maker (set by :func:`attnplan.frontend.
+    lang` before each parse, under its lock)."""
+
+    def __init__(self):
+        self.err: Err | None = None
+        for rule, build in _RULES.items():
+            setattr(self, rule, self._folding(rule) if rule in _FOLDS else self._building(build))
+
+    def _building(self, build):
+        def reduce(kids):
+            return build([_closed(k, self.err) for k in kids], self.err)
+        return reduce
+
+    def _folding(self, rule):
+        def reduce(kids):
+            left = kids[0]
+            if isinstance(left, _Open) and left.rule == rule:
+                left.append(kids[1])
+                left.append(_closed(kids[2], self.err))
+                return left
+            chain = _Open(_closed(k, self.err) for k in kids)
+            chain.rule = rule
+            return chain
+        return reduce
 
 
 def _fold(kids, err) -> Fold:
@@ -219,20 +245,3 @@ _RULES: dict[str, Callable] = {
 }
 
 
-def to_ast(tree: Tree, err: Err) -> list:
-    """The statements of a parse tree (post-order walk with an explicit stack)."""
-    values: list = []
-    stack: list[tuple[Any, int | None]] = [(tree, None)]
-    while stack:
-        node, arity = stack.pop()
-        if not isinstance(node, Tree):
-            values.append(node)
-        elif arity is not None:
-            kids = values[len(values) - arity:]
-            del values[len(values) - arity:]
-            values.append(_RULES[node.data](kids, err))
-        else:
-            kids = _spine(node) if node.data in _FOLDS else node.children
-            stack.append((node, len(kids)))
-            stack.extend((c, None) for c in reversed(kids))
-    return values[0]
