@@ -20,6 +20,7 @@ from attnplan.backends.cost import get_profile, simulate
 from attnplan.backends.planfile import canonical_bytes
 from attnplan.ir import limits
 from attnplan.passes import REGISTRY, parse_pipeline, run_pipeline, strategy_entries, strategy_name
+from attnplan.passes.comm import parse_entry
 from attnplan.tools import auto, auto_preview
 from attnplan.tools.auto import estimate
 
@@ -44,20 +45,23 @@ def auto_plan():
 
 def test_the_chosen_plan_is_compile_of_that_strategy(auto_plan):
     winner = auto_plan.meta["strategy"].split(":", 1)[1]
-    alone = attnplan.compile(strategy=winner, **KW)
-    assert canonical_bytes(auto_plan.ir, plain_meta(auto_plan, winner)) == alone.canonical_bytes()
+    alone = compile_candidate(winner, **KW)
+    name = "" if winner.endswith(LAST) else winner  # a pipeline records no strategy
+    assert canonical_bytes(auto_plan.ir, plain_meta(auto_plan, name)) == alone.canonical_bytes()
 
 
 def test_every_strategy_is_simulated_or_pruned_with_a_reason(auto_plan):
     m = auto_plan.meta
-    assert set(m["candidates"]) | set(m["pruned"]) == set(NAMES)
+    keys = set(m["candidates"]) | set(m["pruned"])
+    last = {k for k in keys if k.endswith(LAST)}  # step 5: the search's winner in the other order, once
+    assert keys - last == set(NAMES) and len(last) == 1 and next(iter(last))[:-len(LAST)] in m["candidates"]
     assert not set(m["candidates"]) & set(m["pruned"])
     assert "ulysses" not in m["estimates"] and m["pruned"]["ulysses"].startswith("PlanError: ulysses")
     winner = m["strategy"].split(":", 1)[1]
     assert winner == min(m["candidates"], key=lambda n: auto.choice_key(m["candidates"][n], m["estimates"][n], n))
     # each simulated candidate's predicted time is that of the strategy compiled alone
     for name, pred in m["candidates"].items():
-        assert pred == simulate(attnplan.compile(strategy=name, **KW).ir, get_profile("h100"))["predicted_s"]
+        assert pred == simulate(compile_candidate(name, **KW).ir, get_profile("h100"))["predicted_s"]
 
 
 def test_pruned_strategies_are_beaten_by_their_lower_bound(auto_plan):
@@ -93,9 +97,17 @@ def auto_kwargs(seqlens, mask="causal"):
                 max_compute_blocks=limits.MAX_COMPUTE_BLOCKS)
 
 
+LAST = " overlap{local=last}"  # the suffix of a candidate with the backward's own blocks last (auto's step 5)
+
+
 def compile_candidate(key: str, **kw):
-    """``compile`` of an auto candidate: ``name`` (its default pipeline) or
-    ``name:variant`` (the default pipeline under that variant's comm step)."""
+    """``compile`` of an auto candidate: ``name`` (its default pipeline),
+    ``name:variant`` (the default pipeline under that variant's comm step),
+    or either with :data:`LAST` (that pipeline with ``overlap{local=last}``)."""
+    if key.endswith(LAST):
+        head, comm = parse_entry(key[:-len(LAST)])
+        return attnplan.compile(pipeline=default_pipeline(head, kw.get("block_size", 2048), comm, local="last"),
+                                **{k: v for k, v in kw.items() if k != "block_size"})
     return attnplan.compile(strategy=key, **kw)
 
 
@@ -125,6 +137,13 @@ def exhaustive_choice(seqlens, devices, nodes, mask, profile="h100") -> str:
         plans[key] = plan
         pred = simulate(plan.ir, plan.profile)["predicted_s"]
         keys[key] = auto.choice_key(pred, auto.candidate_estimate(plan.ir, key, plan.profile), key)
+    best = min(keys, key=keys.__getitem__)
+    # and the winner with the backward's own blocks last, where it runs them first (auto's step 5)
+    if plans[best].ir.schedule.overlap and not plans[best].ir.schedule.local_last:
+        last = compile_candidate(best + LAST, seqlens=seqlens, mask=mask, devices=devices, nodes=nodes,
+                                 block_size=256, profile=profile, **SHAPE)
+        pred = simulate(last.ir, last.profile)["predicted_s"]
+        keys[best + LAST] = auto.choice_key(pred, keys[best][1], best + LAST)
     return min(keys, key=keys.__getitem__)
 
 
@@ -145,7 +164,7 @@ def test_direct_variants_are_candidates_on_several_nodes():
     m = attnplan.compile(strategy="auto", **kw).meta
     keys = set(m["candidates"]) | set(m["pruned"]) | set(m["estimates"])
     assert "minheap:direct" in keys and "zigzag:direct" not in keys  # zigzag's default is the ring
-    assert {k.split(":")[0] for k in set(m["candidates"]) | set(m["pruned"])} == set(NAMES)
+    assert {k.split(":")[0].removesuffix(LAST) for k in set(m["candidates"]) | set(m["pruned"])} == set(NAMES)
     for key, pred in m["candidates"].items():
         assert pred == simulate(compile_candidate(key, **kw).ir, get_profile("h100"))["predicted_s"], key
     assert m["strategy"] == "auto:" + min(m["candidates"], key=lambda n: (m["candidates"][n], n))
@@ -380,8 +399,8 @@ def test_a_candidate_that_fails_to_finish_is_reported_and_the_next_one_is_tried(
     for name in chosen:
         assert m["pruned"][name] == f"PlanError: {name}: no room"
     rest = [n for n in ranked if n not in chosen]
-    cands = m["candidates"]
-    assert cands and set(cands) <= set(rest)
+    cands, est = m["candidates"], m["estimates"]
+    assert cands and {n.removesuffix(LAST) for n in cands} <= set(rest)
     assert rest[0] in cands or rest[0] in m["pruned"]  # the next best estimate was scheduled, then finished or bounded
     assert m["strategy"] == "auto:" + min(cands, key=lambda n: auto.choice_key(cands[n], est[n], n))
 
@@ -561,3 +580,25 @@ def test_the_chosen_plan_is_verified(monkeypatch):
     with pytest.raises(VerifyError, match=r"auto: the chosen plan \(\w+.*\) does not verify: invariant \d"):
         attnplan.compile(**kw)
     assert attnplan.compile(verify=False, **kw).meta["strategy"].startswith("auto:")  # unverified: goes through
+
+
+@pytest.mark.parametrize("devices,chosen", [(4, False), (8, True)])  # its bound rules it out; it wins
+def test_the_winner_is_tried_with_its_own_blocks_last(devices, chosen):
+    """Step 5: the search's winner again with ``overlap{local=last}`` — simulated unless its schedule bound
+    rules it out — and the faster of the two kept; not where the backward keeps the forward's KV (its own
+    blocks are last already)."""
+    kw = dict(KW, devices=devices, nodes=2)
+    m = attnplan.compile(strategy="auto", **kw).meta
+    (last,) = [k for k in set(m["candidates"]) | set(m["pruned"]) if k.endswith(LAST)]
+    first = last[:-len(LAST)]
+    assert first in m["candidates"] and m["estimates"].get(last, m["estimates"][first]) == m["estimates"][first]
+    if last in m["candidates"]:
+        faster = m["candidates"][last] < m["candidates"][first] * (1 - 1e-9)
+        assert m["strategy"] == "auto:" + (last if faster else first)
+        assert m["pipeline"].split(",")[-2].endswith("local=last}") == faster
+    else:
+        assert m["pruned"][last].startswith("lower bound") and m["strategy"] == "auto:" + first
+    assert m["strategy"].endswith(LAST) == chosen
+    kept = attnplan.compile(strategy="auto", keep_kv=True, **kw).meta
+    assert not any(k.endswith(LAST) for k in set(kept["candidates"]) | set(kept["pruned"]))
+    assert "local=first" not in kept["pipeline"]

@@ -86,6 +86,15 @@ than the best simulated plan's whole makespan cannot win.
    (benchmarks/auto_bench.py);
    ``tests/test_auto.py`` checks the bounds and the choice. ``keep`` forces
    at least that many to be finished.
+5. **The other order** (:func:`other_order`): the winner again with its
+   backward's own blocks last (``overlap{local=last}``: its partial outputs
+   travel home while it computes its own) where its default runs them
+   first — the same placement and transfers in another order, so one more
+   schedule bound and, unless that rules it out, one more simulation. The
+   faster of the two is the plan (a tie keeps the default). The order is
+   tried on the winner only: on the fourteen 128K batches at 32 devices
+   the best of every candidate in both orders is each winner's best order
+   (``benchmarks/gap.py --local``, docs/results.md).
 
 Every registered strategy is searched, and each of its ``variants`` as a
 strategy of its own (``span{grain=1}``, ``span{grain=2}``: the strategy pass
@@ -98,8 +107,10 @@ recursive doubling inside each node), each bounded by its own estimate.
 
 The chosen plan's IR and pipeline are exactly those of ``compile(strategy=
 winner)`` (``name:relay``, ``name:direct`` and ``name:tree`` too: the default
-pipeline with the comm step of that variant). Its ``meta`` records, as pure functions of the inputs (no
-timings): ``candidates`` (predicted seconds of the simulated ones),
+pipeline with the comm step of that variant; after step 5 it may be
+``name overlap{local=last}``: that pipeline with ``overlap{local=last}``).
+Its ``meta`` records, as pure functions of the inputs (no timings):
+``candidates`` (predicted seconds of the simulated ones),
 ``estimates`` (the estimate of every strategy that was placed) and
 ``pruned`` (strategy → why it was not simulated: its bound — a preview
 before placing, the estimate, or the schedule bound — against the best predicted time, or the
@@ -139,8 +150,8 @@ from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers, verify
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategy_entries, strategy_name
-from ..passes.comm import (COMM_VARIANTS, HOP_CROSS, HOP_GATHER, default_reduce, default_relay, reduced_partials,
-                           relay_rows, ring_kv, tree_data_rows)
+from ..passes.comm import (COMM_VARIANTS, HOP_CROSS, HOP_GATHER, Overlap, default_reduce, default_relay,
+                           reduced_partials, relay_rows, ring_kv, tree_data_rows)
 from .auto_preview import SAMPLE_SEGMENTS, sample_docs, segment_bound
 from .auto_schedule import schedule_bound
 
@@ -452,7 +463,8 @@ def tails(p: Placed, prof) -> list[tuple[str, str | None, float]]:
     0.95x, 0.95x, 0.91x; never the best plan): they do not try it, which
     keeps auto within 2x of its slowest strategy.
     ``divide`` and turning ``overlap`` off are not tried: on the 128K
-    batches at 8 devices neither ever predicted a faster plan."""
+    batches at 8 devices neither ever predicted a faster plan; the
+    backward's other order is tried on the winner (:func:`other_order`)."""
     return [(p.name, None, p.total_s)] + [(f"{p.name}:{v}", comm, e.total_s) for v, comm, e in p.others]
 
 
@@ -636,6 +648,55 @@ def _bound_source(state) -> str:
     return " from its segments, before placing" if state is None else ""
 
 
+def other_order(best: tuple, predicted_s: float, estimate_s: float, kwargs: dict, prof):
+    """Step 5 (module doc): the winner ``best`` (name, IR, passes) with its
+    backward's own blocks last (``overlap{local=last}``) where its default
+    runs them first — the same placement and transfers, another order — as
+    (candidate name, (IR, passes) or None, its predicted seconds or why it
+    was not simulated: its schedule bound against ``predicted_s``); None
+    where there is no other order to try (no overlap, an all-to-all, or
+    already last: the KV kept)."""
+    name, ir, passes = best
+    i = next((k for k, p in enumerate(passes) if isinstance(p, Overlap)), None)
+    s = ir.need_schedule()
+    if i is None or s.collective or s.local_last:
+        return None
+    flipped = passes[:i] + [replace(passes[i], local="last")] + passes[i + 1:]
+    key = f"{name} {flipped[i].spec()}"
+    head = _split(flipped)[0]
+    sched = Scheduled(_run(ir.with_levels(placement=ir.need_placement()), flipped[len(head):-1], kwargs), flipped)
+    bound = scheduled_bound(sched, estimate_s, prof)
+    if bound >= predicted_s * (1 - _REL):
+        return key, None, (f"lower bound {bound * 1e3:.4g} ms from its schedule >= {predicted_s * 1e3:.4g} ms, the "
+                           f"predicted time of {name}")
+    out_ir, out_passes, predicted = emit_and_simulate(sched, kwargs, prof)
+    return key, (out_ir, out_passes), predicted
+
+
+def _try_other_order(best: tuple, candidates: dict, estimates: dict, pruned: dict, finishing: dict, kwargs: dict,
+                     prof) -> tuple:
+    """:func:`other_order` of the winner, recorded like any candidate (its estimate is the winner's: the same
+    placement and transfers); the faster of the two (:func:`choice_key`: on a tie the default order)."""
+    name = best[0]
+    t0 = time.perf_counter()
+    try:
+        other = other_order(best, candidates[name], estimates[name], kwargs, prof)
+    except PlanError as e:
+        other = None
+        pruned[f"{name} overlap{{local=last}}"] = _reason(e)
+    if other is None:
+        return best
+    key, done, result = other
+    finishing[key] = time.perf_counter() - t0
+    if done is None:
+        pruned[key] = result
+        return best
+    candidates[key], estimates[key] = result, estimates[name]
+    if choice_key(result, estimates[key], key) < choice_key(candidates[name], estimates[name], name):
+        return (key, *done)
+    return best
+
+
 def compile_auto(kwargs: dict, keep: int = KEEP):
     """``compile(strategy="auto")`` on its checked arguments (``kwargs``: the
     options of ``check_options`` and seqlens, segments, mask, verify,
@@ -647,7 +708,7 @@ def compile_auto(kwargs: dict, keep: int = KEEP):
     if best is None:
         raise PlanError("auto: no strategy could plan this batch (" +
                         "; ".join(f"{n}: {r}" for n, r in sorted(pruned.items())) + ")")
-    name, ir, passes = best
+    name, ir, passes = _try_other_order(best, candidates, estimates, pruned, spent["finish_s"], kwargs, prof)
     t1 = time.perf_counter()
     if kwargs["verify"]:
         try:
