@@ -570,10 +570,10 @@ def test_the_chosen_plan_is_verified(monkeypatch):
     real = auto.emit_and_simulate
 
     def broken(s, kwargs, prof):
-        ir, passes, predicted = real(s, kwargs, prof)
+        ir, passes, predicted, forward = real(s, kwargs, prof)
         pl = ir.placement
         moved = Placement(pl.devices, pl.nodes, pl.home.copy(), (pl.cb_device + 1) % pl.devices)
-        return ir.replace(placement=moved), passes, predicted
+        return ir.replace(placement=moved), passes, predicted, forward
 
     monkeypatch.setattr(auto, "emit_and_simulate", broken)
     kw = dict(seqlens=[300, 40, 900, 17], devices=4, block_size=64, strategy="auto", **SHAPE)

@@ -504,11 +504,12 @@ def schedule(p: Placed, kwargs: dict, comm: str | None = None) -> Scheduled:
     return Scheduled(_run(p.ir, rest[:-1], kwargs), passes)
 
 
-def emit_and_simulate(s: Scheduled, kwargs: dict, prof) -> tuple[PlanIR, list, float]:
+def emit_and_simulate(s: Scheduled, kwargs: dict, prof) -> tuple[PlanIR, list, float, float]:
     """The rest of a scheduled candidate's pipeline (``emit``) and the simulation:
-    (IR, the whole pipeline's passes, predicted seconds)."""
+    (IR, the whole pipeline's passes, predicted seconds, of which the forward's)."""
     ir = _run(s.ir, s.passes[-1:], kwargs)
-    return ir, s.passes, simulate(ir, prof)["predicted_s"]
+    sim = simulate(ir, prof)
+    return ir, s.passes, sim["predicted_s"], sim["fwd"]["makespan_s"]
 
 
 _SHADE = 3e-9  # a schedule bound enters the heap this much lower: one at or above the best then exceeds it by 2e-9,
@@ -557,7 +558,7 @@ def search(base: PlanIR, kwargs: dict, prof, keep: int = KEEP):
     least its bound, is not below the best's, and on equal estimates its
     name comes later; or its schedule bound is above the best's predicted
     time by more than rounding). Returns (the winner as (name, IR,
-    passes) or None, predicted seconds of the finished ones, estimates of the
+    passes, its simulated forward seconds) or None, predicted seconds of the finished ones, estimates of the
     placed ones, pruned name -> reason, measured seconds: ``place_s`` and
     ``finish_s`` per strategy)."""
     heads = _heads(kwargs)
@@ -627,7 +628,7 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
                 p = schedule(p[0], kwargs, p[1])
                 heapq.heappush(heap, (scheduled_bound(p, estimates[name], prof), name, p))
                 continue
-            ir, passes, candidates[name] = emit_and_simulate(p, kwargs, prof)
+            ir, passes, candidates[name], forward = emit_and_simulate(p, kwargs, prof)
         except PlanError as e:
             pruned[name] = _reason(e)
             continue
@@ -635,7 +636,7 @@ def _branch_and_bound(heap, heads, tiled_by, kwargs, prof, keep, pruned, seconds
             finishing[name] = finishing.get(name, 0.0) + time.perf_counter() - t0
         if best is None or (choice_key(candidates[name], estimates[name], name) <
                             choice_key(candidates[best[0]], estimates[best[0]], best[0])):
-            best = (name, ir, passes)
+            best = (name, ir, passes, forward)
     return best, candidates, estimates
 
 
@@ -649,27 +650,29 @@ def _bound_source(state) -> str:
 
 
 def other_order(best: tuple, predicted_s: float, estimate_s: float, kwargs: dict, prof):
-    """Step 5 (module doc): the winner ``best`` (name, IR, passes) with its
-    backward's own blocks last (``overlap{local=last}``) where its default
-    runs them first — the same placement and transfers, another order — as
-    (candidate name, (IR, passes) or None, its predicted seconds or why it
-    was not simulated: its schedule bound against ``predicted_s``); None
-    where there is no other order to try (no overlap, an all-to-all, or
-    already last: the KV kept)."""
-    name, ir, passes = best
+    """Step 5 (module doc): the winner ``best`` (name, IR, passes, its
+    simulated forward) with its backward's own blocks last
+    (``overlap{local=last}``) where its default runs them first — the same
+    placement and transfers, another order: its schedule with
+    ``local_last``, as ``overlap{local=last}`` makes it — as (candidate
+    name, (IR, passes) or None, its predicted seconds or why it was not
+    simulated); None where there is no other order to try (no overlap, an
+    all-to-all, already last: the KV kept). Its forward is the winner's
+    (the order changes the backward only), so its bound is that forward's
+    simulated time and its backward's schedule bound."""
+    name, ir, passes, forward_s = best
     i = next((k for k, p in enumerate(passes) if isinstance(p, Overlap)), None)
     s = ir.need_schedule()
-    if i is None or s.collective or s.local_last:
+    if i is None or i != len(passes) - 2 or s.collective or s.local_last:  # default pipelines: overlap, emit
         return None
     flipped = passes[:i] + [replace(passes[i], local="last")] + passes[i + 1:]
     key = f"{name} {flipped[i].spec()}"
-    head = _split(flipped)[0]
-    sched = Scheduled(_run(ir.with_levels(placement=ir.need_placement()), flipped[len(head):-1], kwargs), flipped)
-    bound = scheduled_bound(sched, estimate_s, prof)
+    sched = Scheduled(ir.with_levels(schedule=replace(s, local_last=True)), flipped)
+    bound = forward_s + schedule_bound(sched.ir, prof)[1]
     if bound >= predicted_s * (1 - _REL):
         return key, None, (f"lower bound {bound * 1e3:.4g} ms from its schedule >= {predicted_s * 1e3:.4g} ms, the "
                            f"predicted time of {name}")
-    out_ir, out_passes, predicted = emit_and_simulate(sched, kwargs, prof)
+    out_ir, out_passes, predicted, _ = emit_and_simulate(sched, kwargs, prof)
     return key, (out_ir, out_passes), predicted
 
 
@@ -685,16 +688,16 @@ def _try_other_order(best: tuple, candidates: dict, estimates: dict, pruned: dic
         other = None
         pruned[f"{name} overlap{{local=last}}"] = _reason(e)
     if other is None:
-        return best
+        return best[:3]
     key, done, result = other
     finishing[key] = time.perf_counter() - t0
     if done is None:
         pruned[key] = result
-        return best
+        return best[:3]
     candidates[key], estimates[key] = result, estimates[name]
     if choice_key(result, estimates[key], key) < choice_key(candidates[name], estimates[name], name):
         return (key, *done)
-    return best
+    return best[:3]
 
 
 def compile_auto(kwargs: dict, keep: int = KEEP):
