@@ -77,6 +77,9 @@ from ..ir.place import chunk_bounds, place_segments, zigzag_device
 from .base import Pass, register
 from .dacp import doc_pairs
 
+_COLUMNS: dict = {}   # (problem id, devices, nodes, options) -> (problem, columns): the last few, oldest first
+_COLUMNS_KEPT = 8
+
 
 def span_options(length: int, devices: int, per_node: int, min_chunk: int) -> list[int]:
     """The spans a document of ``length`` tokens may take, fewest first:
@@ -265,13 +268,24 @@ class Span(Pass):
             raise PlanError(f"span: cross must be 0 (off) or in [1, 1e6], got {self.cross}")
 
     def columns(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Segment starts, devices and group keys of this batch (rules 1-3)."""
+        """Segment starts, devices and group keys of this batch (rules 1-3), read-only; the last few are
+        remembered (``auto`` asks for each span variant's twice: its preview, then its placement)."""
         p = ir.problem
+        key = (id(p), ir.devices, ir.nodes, self.grain, self.min_chunk, self.cross, self.align)
+        hit = _COLUMNS.get(key)
+        if hit is not None and hit[0] is p:  # the problem itself, held: its id cannot be another's
+            return hit[1]
         n = ir.devices
         per_node = max(1, n // ir.nodes)
         where = place_spans(p.seqlens, doc_pairs(p).astype(float), n, per_node, self.grain, self.min_chunk,
                             self.cross)
-        return span_segments(p.offsets[:-1], p.seqlens, where, n, self.align)
+        out = span_segments(p.offsets[:-1], p.seqlens, where, n, self.align)
+        for a in out:
+            a.setflags(write=False)
+        _COLUMNS[key] = (p, out)
+        while len(_COLUMNS) > _COLUMNS_KEPT:
+            del _COLUMNS[next(iter(_COLUMNS))]
+        return out
 
     def segments(self, ir: PlanIR) -> tuple[np.ndarray, np.ndarray]:
         """Segment starts and their devices (what :func:`place_segments` takes)."""
