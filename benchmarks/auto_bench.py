@@ -49,14 +49,14 @@ from attnplan.backends.cost import simulate
 from attnplan.passes import REGISTRY, strategy_entries, strategy_name
 from attnplan.passes.comm import parse_entry
 from attnplan.passes.default import default_pipeline
-from attnplan.tools.auto import candidate_estimate, choice_key, comm_variants, estimate
+from attnplan.tools.auto import OTHER_ORDER, candidate_estimate, choice_key, comm_variants, estimate
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(heads=8, kv_heads=2, head_dim=128, block_size=2048)
 PROFILE = "h100"
 
 
-LAST = " overlap{local=last}"  # auto's step 5: its winner with the backward's own blocks last
+LAST = OTHER_ORDER  # auto's step 5: its winner with the backward's own blocks last
 
 
 def compile_(seqlens, devices: int, mask: str, strategy: str):

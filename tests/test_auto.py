@@ -97,7 +97,7 @@ def auto_kwargs(seqlens, mask="causal"):
                 max_compute_blocks=limits.MAX_COMPUTE_BLOCKS)
 
 
-LAST = " overlap{local=last}"  # the suffix of a candidate with the backward's own blocks last (auto's step 5)
+LAST = auto.OTHER_ORDER  # the suffix of a candidate with the backward's own blocks last (auto's step 5)
 
 
 def compile_candidate(key: str, **kw):

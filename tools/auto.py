@@ -649,6 +649,9 @@ def _bound_source(state) -> str:
     return " from its segments, before placing" if state is None else ""
 
 
+OTHER_ORDER = " overlap{local=last}"  # step 5's candidate: ``name`` + this, its default pipeline in that order
+
+
 def other_order(best: tuple, predicted_s: float, estimate_s: float, kwargs: dict, prof):
     """Step 5 (module doc): the winner ``best`` (name, IR, passes, its
     simulated forward) with its backward's own blocks last
@@ -666,7 +669,7 @@ def other_order(best: tuple, predicted_s: float, estimate_s: float, kwargs: dict
     if i is None or i != len(passes) - 2 or s.collective or s.local_last:  # default pipelines: overlap, emit
         return None
     flipped = passes[:i] + [replace(passes[i], local="last")] + passes[i + 1:]
-    key = f"{name} {flipped[i].spec()}"
+    key = name + OTHER_ORDER
     sched = Scheduled(ir.with_levels(schedule=replace(s, local_last=True)), flipped)
     bound = forward_s + schedule_bound(sched.ir, prof)[1]
     if bound >= predicted_s * (1 - _REL):
@@ -686,7 +689,7 @@ def _try_other_order(best: tuple, candidates: dict, estimates: dict, pruned: dic
         other = other_order(best, candidates[name], estimates[name], kwargs, prof)
     except PlanError as e:
         other = None
-        pruned[f"{name} overlap{{local=last}}"] = _reason(e)
+        pruned[name + OTHER_ORDER] = _reason(e)
     if other is None:
         return best[:3]
     key, done, result = other
