@@ -110,16 +110,18 @@ def _shape_args(p, nodes: bool = True,
     p.add_argument("--profile", default="h100", help=profile_help)
 
 
-def _strategy_list(text: str, variants: bool = False) -> list[str]:
+def _strategy_list(text: str, variants: bool = False, keep_kv: bool = False) -> list[str]:
     """``all`` (every strategy; with ``variants`` each strategy's variants too, ``span{grain=2}``: what
     ``plan bench`` compiles) or comma-separated entries: ``name``, ``name{options}`` or either with
-    ``:variant`` (tools/compare.py COMM_VARIANTS)."""
+    ``:variant`` (tools/compare.py COMM_VARIANTS), each optionally with `` overlap{local=...}``; two
+    entries that are one plan (``span``, ``span:p2p`` and, without ``keep_kv``, ``span
+    overlap{local=first}``) are refused."""
     from .passes import strategies, strategy_entries
-    from .tools.compare import parse_entry
     if text == "all":
         return list(strategy_entries() if variants else strategies())
     from .passes.base import _split_top
     from .passes import parse_pipeline
+    from .passes.comm import parse_entry
     from .passes.default import default_pipeline
     names = [s.strip() for s in _split_top(text)]  # commas inside {options} stay
     if not any(names):
@@ -128,11 +130,17 @@ def _strategy_list(text: str, variants: bool = False) -> list[str]:
         raise PlanError(f"an empty entry in --strategies {text!r}")
     seen: dict[str, str] = {}
     for n in names:  # one plan once: span and span:p2p, zigzag and zigzag{} are the same pipeline
-        head, comm = parse_entry(n)
-        key = ",".join(p.spec() for p in parse_pipeline(default_pipeline(head, 2048, comm)))
+        e = parse_entry(n)
+        local = e.local if e.local != "kept" else "last" if keep_kv else "first"  # what kept resolves to
+        passes = parse_pipeline(default_pipeline(e.strategy, 2048, e.comm, local))
+        if any(getattr(p, "mode", None) == "a2a" for p in passes):  # all-to-alls: no order to choose
+            passes = parse_pipeline(default_pipeline(e.strategy, 2048, e.comm, "first"))
+        key = ",".join(p.spec() for p in passes)
         if key in seen:
-            same = "twice" if seen[key] == n else f"twice ({seen[key]!r} and {n!r} are the same plan)"
-            raise PlanError(f"--strategies lists {n!r} {same}")
+            kept = " (overlap{local=kept}, the default, is last with --keep-kv, else first)" \
+                if "overlap" in seen[key] + n else ""
+            raise PlanError(f"--strategies lists {n!r} twice" if seen[key] == n else
+                            f"--strategies lists one plan twice: {seen[key]!r} and {n!r} are the same plan{kept}")
         seen[key] = n
     return names
 
@@ -163,8 +171,9 @@ def _add_compile(sub) -> None:
                    help="bytes of buffers per device and phase the verifier holds the plan to (default: no cap)")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--strategy", default="zigzag", help="a strategy, auto, NAME{options} (e.g. 'span{grain=2}'), "
-                   f"or either as NAME:VARIANT (the strategy under another comm step: {_VARIANTS}); "
-                   "default zigzag, the deployed baseline — auto compiles the one predicted fastest")
+                   f"or either as NAME:VARIANT (the strategy under another comm step: {_VARIANTS}), each "
+                   "optionally followed by ' overlap{local=first|last|kept}' (the backward's order); default "
+                   "zigzag, the deployed baseline — auto compiles the one predicted fastest")
     g.add_argument("--pipeline", help="pass pipeline, e.g. 'tile{block=1024},zigzag,comm,emit'")
     c.add_argument("--no-verify", action="store_true", help="skip the verifier between passes")
     c.add_argument("-v", "--verbose", action="store_true", help="print each pass and its time")
@@ -209,7 +218,7 @@ def _add_run(sub) -> None:
     r = sub.add_parser("run", help="execute a plan: every device in this process (on the CPU or one GPU), or one "
                                    "process per device (--procs, CPU)")
     r.add_argument("plan", help="plan file (from plan compile)")
-    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the random inputs and of the run (default float32, whatever dtype the plan was "
                         "compiled for: the closest check against dense attention)")
     r.add_argument("--check", action="store_true", help="compare outputs and gradients with dense masked attention")
@@ -240,7 +249,8 @@ def _add_compare_bench(sub) -> None:
     _shape_args(cp)
     cp.add_argument("--strategies", default="all",
                     help="comma-separated strategy names, or all; NAME:VARIANT runs NAME's placement with another "
-                         f"communication mode: {_VARIANTS}")
+                         f"communication mode: {_VARIANTS}; ' overlap{{local=first|last|kept}}' after an entry sets "
+                         "the backward's order")
     cp.add_argument("--json", action="store_true")
     cp.add_argument("--html", default=None, help="write the visual comparison report to this file")
 
@@ -254,7 +264,8 @@ def _add_compare_bench(sub) -> None:
                     help=f"comma-separated device counts, each 1..{limits.MAX_DEVICES} (8 devices a node)")
     bn.add_argument("--strategies", default="all",
                     help="all (every strategy and its variants: span{grain=1}, span{grain=2}, ...) or comma-separated "
-                    f"NAME, NAME{{options}}, NAME:VARIANT (VARIANT: {_VARIANTS})")
+                    f"NAME, NAME{{options}}, NAME:VARIANT (VARIANT: {_VARIANTS}), each optionally with "
+                    "' overlap{local=first|last|kept}'")
     _shape_args(bn, nodes=False)
     bn.add_argument("--out", default="out/bench", help="folder for bench.json, summary.txt and PNG plots "
                     "(created if missing; an existing file is an error)")
@@ -312,7 +323,8 @@ def run_bytes(problem, dtype: str, check: bool) -> int:
     Python ints: no overflow, whatever the plan declares."""
     per_token = int(problem.head_dim) * (int(problem.heads) + int(problem.kv_heads))  # one q row + one k row
     elems = int(problem.tokens) * per_token
-    item = {"float32": 4, "bfloat16": 2}[dtype]
+    from .ir.problem import DTYPE_BYTES
+    item = DTYPE_BYTES[dtype]
     return 4 * elems * item + (2 * elems * 8 if check else 0)
 
 
@@ -444,7 +456,7 @@ def _cmd_compare(args) -> int:
     if args.html is not None:
         check_output(args.html, "report")
     batch = _load_batch(args).compile_args()
-    strategies = _strategy_list(args.strategies)
+    strategies = _strategy_list(args.strategies, keep_kv=args.keep_kv)
     check_options(devices=args.devices, nodes=args.nodes, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype, profile=args.profile,
                   partials_dtype=args.partials_dtype, keep_kv=args.keep_kv)
@@ -493,7 +505,7 @@ def _cmd_bench(args) -> int:
     from .frontend import load_mask
     from .tools.bench import bench
     path = _bench_batches(args)
-    strategies = _strategy_list(args.strategies, variants=True)
+    strategies = _strategy_list(args.strategies, variants=True, keep_kv=args.keep_kv)
     for mask in args.masks:  # a typo fails now, not after minutes of benchmarking
         load_mask(mask)
     check_options(devices=1, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,

@@ -88,8 +88,9 @@ def _device_paragraph(plan, d: dict, focus: int, one: bool, top: int) -> list[st
     rank = int((flops > flops[focus]).sum()) + 1
     what = f"device (the {_ordinal(rank)} most loaded of {n})" if one else "most loaded device"
     out = [f"{what} d{focus}: {flops[focus] / fmean:.2f}× mean forward FLOPs ({flops[focus]:.3e}, mean "
-           f"{fmean:.3e}), {tokens[focus] / tmean:.2f}× mean tokens ({tokens[focus]:,}), {len(cbs)} compute "
-           f"blocks (mean {g.n_cb / n:.1f}); compute imbalance of the plan {s['compute_imbalance']:.2f}"]
+           f"{fmean:.3e}), {tokens[focus] / tmean:.2f}× mean tokens ({tokens[focus]:,}, mean {tmean:,.0f}), "
+           f"{len(cbs)} compute blocks (mean {g.n_cb / n:.1f}); compute imbalance of the plan "
+           f"{s['compute_imbalance']:.2f}"]
     why = _why(plan, bars, focus, cbs, s["pairs"] > 0)
     if why:
         out.append(why)

@@ -47,8 +47,6 @@ from pathlib import Path
 import attnplan
 from attnplan.backends.cost import simulate
 from attnplan.passes import REGISTRY, strategy_entries, strategy_name
-from attnplan.passes.comm import parse_entry
-from attnplan.passes.default import default_pipeline
 from attnplan.tools.auto import OTHER_ORDER, candidate_estimate, choice_key, comm_variants, estimate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,12 +60,8 @@ LAST = OTHER_ORDER  # auto's step 5: its winner with the backward's own blocks l
 def compile_(seqlens, devices: int, mask: str, strategy: str):
     """``strategy``: a name, ``auto``, or ``name:relay`` / ``name:direct`` / ``name:tree`` (auto's candidates
     without node reduces, without relays and reduces, or with the in-node tree): compile takes them as they are;
-    any of them with :data:`LAST`: its default pipeline with ``overlap{local=last}``."""
+    any of them with :data:`LAST` (``overlap{local=last}``): every candidate is a strategy entry."""
     kw = dict(devices=devices, nodes=max(1, devices // 8), profile=PROFILE, **SHAPE)
-    if strategy.endswith(LAST):
-        head, comm = parse_entry(strategy[:-len(LAST)])
-        pipe = default_pipeline(head, SHAPE["block_size"], comm, local="last")
-        return attnplan.compile(seqlens, mask, pipeline=pipe, **kw)
     return attnplan.compile(seqlens, mask, strategy=strategy, **kw)
 
 

@@ -53,8 +53,7 @@ from attnplan.backends.cost import DTYPE_EFFICIENCY, cb_seconds, get_profile, si
 from attnplan.backends.floor import placement_floor
 from attnplan.backends.walk import run_starts
 from attnplan.ir.program import ATTN, ATTN_BWD, BWD, FWD, OP, PHASES
-from attnplan.passes.comm import parse_entry
-from attnplan.passes.default import default_pipeline
+from attnplan.passes.default import entry_pipeline
 
 BATCHES = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "batches.jsonl"
 SHAPE = dict(heads=8, kv_heads=2, head_dim=128, block_size=2048)
@@ -128,8 +127,7 @@ def with_local(entry: str, local: str) -> str:
     """The default pipeline of strategy entry ``entry`` (``name``,
     ``name{options}``, ``name:variant``) with its overlap step's ``local``
     option set."""
-    head, comm = parse_entry(entry)
-    return default_pipeline(head, SHAPE["block_size"], comm, local)
+    return entry_pipeline(f"{entry} overlap{{local={local}}}", SHAPE["block_size"])
 
 
 def summary(values: list[float]) -> str:

@@ -58,8 +58,8 @@ def strategy_entries() -> tuple[str, ...]:
 
 def strategy_name(entry: str) -> str:
     """The registered strategy of an entry ``name``, ``name{options}`` or
-    either with ``:variant`` (``span{grain=2}:direct`` -> ``span``)."""
-    return entry.partition(":")[0].partition("{")[0].strip()
+    either with ``:variant`` and `` overlap{local=...}`` (``span{grain=2}:direct`` -> ``span``)."""
+    return (entry.partition(":")[0].partition("{")[0].split() or [""])[0]
 
 
 def _convert(owner: str, field: dataclasses.Field, text: str, err: type[Exception] = PlanError):

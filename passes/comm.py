@@ -74,9 +74,11 @@ every partial is merged once and that a partial is final when it is sent.
 from __future__ import annotations
 
 import difflib
+import re
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,28 +104,77 @@ COMM_VARIANTS = {  # name:variant -> the options of the comm step
 }
 
 
-def parse_entry(entry: str) -> tuple[str, str | None]:
+class Entry(NamedTuple):
+    """A strategy entry parsed (:func:`parse_entry`): the strategy step
+    (``name`` or ``name{options}``), its variant's comm step options (None:
+    the strategy's default), its overlap step's ``local`` option (``kept``,
+    the default, where the entry names none) and the entry's canonical
+    text (what a plan records: stripped, one space before the order, no
+    ``overlap{local=kept}``)."""
+
+    strategy: str
+    comm: str | None
+    local: str
+    text: str
+
+
+MAX_ENTRY = 1000  # characters of a strategy entry (the longest builtin with every option is under 200)
+_ORDER_AT = re.compile(r"\s(overlap\b.*)\Z", re.DOTALL)  # where an entry's order suffix starts: linear time
+_ORDER = re.compile(r"overlap\{\s*local\s*=\s*([^{}\s]*)\s*\}")
+
+
+def _shown(entry: str) -> str:
+    return repr(entry if len(entry) <= 120 else entry[:120] + "...")
+
+
+def split_order(entry: str) -> tuple[str, str]:
+    """``entry`` (stripped) as (its strategy and variant, its ``local`` order:
+    ``kept`` where it ends in no `` overlap{local=...}``)."""
+    text = entry.strip()
+    if len(text) > MAX_ENTRY:
+        raise PlanError(f"strategy entry of {len(text):,} characters (at most {MAX_ENTRY}): {_shown(text)}")
+    at = _ORDER_AT.search(text)
+    if at is None:
+        return text, "kept"
+    m = _ORDER.fullmatch(at.group(1))
+    if m is None:
+        raise PlanError(f"strategy entry {_shown(text)}: after the strategy only ' overlap{{local=...}}' (one of "
+                        f"{', '.join(LOCAL_ORDERS)}: where the backward runs a device's own blocks) may follow")
+    if m.group(1) not in LOCAL_ORDERS:
+        raise PlanError(f"strategy entry {_shown(text)}: local must be {', '.join(LOCAL_ORDERS[:-1])} or "
+                        f"{LOCAL_ORDERS[-1]}, got {m.group(1)!r}")
+    return text[:at.start()].rstrip(), m.group(1)
+
+
+def parse_entry(entry: str) -> Entry:
     """A strategy entry ``name``, ``name{options}`` (``span{grain=2}``: the
-    strategy pass with those options) or either with ``:variant``, as (the
-    strategy step, the variant's comm step options or None); PlanError naming
-    what is unknown."""
-    head, _, variant = entry.partition(":")
+    strategy pass with those options) or either with ``:variant``, each
+    optionally followed by `` overlap{local=first|last|kept}`` (the order of
+    the backward's own blocks, :class:`Overlap`: what ``auto`` names a plan
+    it chose in the other order, ``span:tree overlap{local=last}``), as an
+    :class:`Entry`; PlanError naming what is unknown."""
+    main, local = split_order(entry)
+    head, _, variant = main.partition(":")
     name, brace, _ = head.partition("{")
     if name == "auto":
-        raise PlanError(f"{entry!r}: auto takes no options or variant (it tries each strategy's variants itself)"
-                        if entry != "auto" else "auto chooses among the strategies (compile --strategy auto); it is "
-                        "not an entry of a strategy list")
+        hint = f" (drop the 'auto:' prefix: {_shown(entry.strip()[5:])} is what auto chose)" if variant else ""
+        raise PlanError(f"{_shown(entry.strip())}: auto takes no options, variant or order{hint}" if main != "auto"
+                        or local != "kept" or entry.strip() != "auto" else "auto chooses among the strategies "
+                        "(compile --strategy auto); it is not an entry of a strategy list")
     if name not in strategies():
         close = difflib.get_close_matches(name, list(strategies()) + ["auto"], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise PlanError(f"unknown strategy {name!r}{hint}; known: {', '.join(strategies())}, auto, or "
+        raise PlanError(f"unknown strategy {_shown(name)}{hint}; known: {', '.join(strategies())}, auto, or "
                         f"NAME:VARIANT with a variant of {', '.join(COMM_VARIANTS)}")
     if brace:
         if len(parse_pipeline(head)) != 1:  # its options checked as the pipeline will check them
-            raise PlanError(f"strategy entry {entry!r}: one strategy with its options, e.g. 'span{{grain=2}}'")
-    if ":" in entry and variant not in COMM_VARIANTS:
-        raise PlanError(f"unknown communication variant {variant!r} in {entry!r}; known: {', '.join(COMM_VARIANTS)}")
-    return head, (COMM_VARIANTS[variant] if ":" in entry else None)
+            raise PlanError(f"strategy entry {_shown(entry.strip())}: one strategy with its options, e.g. "
+                            "'span{grain=2}'")
+    if ":" in main and variant not in COMM_VARIANTS:
+        raise PlanError(f"unknown communication variant {_shown(variant)} in {_shown(entry.strip())}; known: "
+                        f"{', '.join(COMM_VARIANTS)}")
+    text = main + (f" overlap{{local={local}}}" if local != "kept" else "")
+    return Entry(head, COMM_VARIANTS[variant] if ":" in main else None, local, text)
 
 
 def default_relay(mode: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import REGISTRY
 from .base import strategy_name
-from .comm import Overlap, default_comm
+from .comm import Overlap, default_comm, parse_entry
 
 
 def default_pipeline(strategy: str, block_size: int, comm: str | None = None, local: str = "kept") -> str:
@@ -20,3 +20,10 @@ def default_pipeline(strategy: str, block_size: int, comm: str | None = None, lo
         Overlap(run=run, local=local).spec(),                  # next stage's transfers fly during compute
         "emit",                                               # per-device instruction streams, fwd + bwd
     ])
+
+
+def entry_pipeline(entry: str, block_size: int) -> str:
+    """The pipeline a strategy entry names (:func:`attnplan.passes.comm.parse_entry`: ``span{grain=2}:tree
+    overlap{local=last}``): its strategy's default pipeline under its variant's comm step and its order."""
+    e = parse_entry(entry)
+    return default_pipeline(e.strategy, block_size, e.comm, e.local)

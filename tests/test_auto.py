@@ -20,7 +20,6 @@ from attnplan.backends.cost import get_profile, simulate
 from attnplan.backends.planfile import canonical_bytes
 from attnplan.ir import limits
 from attnplan.passes import REGISTRY, parse_pipeline, run_pipeline, strategy_entries, strategy_name
-from attnplan.passes.comm import parse_entry
 from attnplan.tools import auto, auto_preview
 from attnplan.tools.auto import estimate
 
@@ -46,8 +45,17 @@ def auto_plan():
 def test_the_chosen_plan_is_compile_of_that_strategy(auto_plan):
     winner = auto_plan.meta["strategy"].split(":", 1)[1]
     alone = compile_candidate(winner, **KW)
-    name = "" if winner.endswith(LAST) else winner  # a pipeline records no strategy
-    assert canonical_bytes(auto_plan.ir, plain_meta(auto_plan, name)) == alone.canonical_bytes()
+    assert canonical_bytes(auto_plan.ir, plain_meta(auto_plan, winner)) == alone.canonical_bytes()
+
+
+def test_a_plan_chosen_in_the_other_order_compiles_again_by_its_name():
+    """auto records a plan it chose with the backward's own blocks last as ``auto:NAME overlap{local=last}``;
+    NAME overlap{local=last} is a strategy entry that compiles the same plan, byte for byte."""
+    kw = dict(seqlens=[3000, 900, 64, 500], devices=8, nodes=2, heads=4, kv_heads=2, head_dim=16, block_size=256)
+    plan = attnplan.compile(strategy="auto", **kw)
+    winner = plan.meta["strategy"].split(":", 1)[1]
+    assert winner.endswith(LAST)
+    assert canonical_bytes(plan.ir, plain_meta(plan, winner)) == attnplan.compile(strategy=winner, **kw).canonical_bytes()
 
 
 def test_every_strategy_is_simulated_or_pruned_with_a_reason(auto_plan):
@@ -103,11 +111,8 @@ LAST = auto.OTHER_ORDER  # the suffix of a candidate with the backward's own blo
 def compile_candidate(key: str, **kw):
     """``compile`` of an auto candidate: ``name`` (its default pipeline),
     ``name:variant`` (the default pipeline under that variant's comm step),
-    or either with :data:`LAST` (that pipeline with ``overlap{local=last}``)."""
-    if key.endswith(LAST):
-        head, comm = parse_entry(key[:-len(LAST)])
-        return attnplan.compile(pipeline=default_pipeline(head, kw.get("block_size", 2048), comm, local="last"),
-                                **{k: v for k, v in kw.items() if k != "block_size"})
+    or either with :data:`LAST` (that pipeline with ``overlap{local=last}``):
+    every candidate's name is a strategy entry."""
     return attnplan.compile(strategy=key, **kw)
 
 

@@ -216,7 +216,7 @@ def test_stats_profile(capsys, small_plan):
 
 # ------------------------------------------------------------------ run
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_run_check_passes(capsys, small_plan, dtype):
     code, out, err = run(capsys, "run", small_plan, "--check", "--dtype", dtype, "--devices", "2")
     assert code == 0, out + err

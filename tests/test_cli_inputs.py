@@ -149,7 +149,11 @@ def test_device_count_over_nodes_is_checked_before_compare(capsys):
 @pytest.mark.parametrize("entry, needle", [("zigzag:a2b", "unknown communication variant 'a2b'"),
                                            ("zigzag:", "unknown communication variant ''"),
                                            ("zigzg:ring", "unknown strategy 'zigzg'"), (",", "no strategy in"),
-                                           ("minheap,zigzag,minheap", "lists 'minheap' twice")])
+                                           ("minheap,zigzag,minheap", "lists 'minheap' twice"),
+                                           ("span,span overlap{local=kept}",
+                                            "lists one plan twice: 'span' and 'span overlap{local=kept}' are the same"),
+                                           ("span overlap{local=no}", "local must be first, last or kept"),
+                                           ("span overlap{run=1}", "only ' overlap{local=...}'")])
 def test_compare_variants_are_checked(capsys, entry, needle):
     code, out, err, _ = run(capsys, "compare", "--seqlens", "100", "--devices", "2", "--strategies", entry)
     assert_one_line_error(code, err, needle)

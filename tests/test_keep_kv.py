@@ -26,8 +26,7 @@ from attnplan.ir.verify import verify
 from attnplan.runtime import memory
 from attnplan.runtime.check import random_inputs, reference, run_plan
 from attnplan.runtime.executor import run_backward, run_forward
-from attnplan.passes.comm import parse_entry
-from attnplan.passes.default import default_pipeline
+from attnplan.passes.default import entry_pipeline
 from attnplan.tools.auto import estimate
 from attnplan.tools.auto_schedule import schedule_bound
 
@@ -112,8 +111,7 @@ def _first(strategy: str) -> str:
     """``strategy``'s default pipeline with the backward's own blocks first
     (``overlap{local=first}``: the plain plan's order, which kept KV would
     otherwise change, :mod:`attnplan.passes.comm` ``Overlap``)."""
-    head, comm = parse_entry(strategy)
-    return default_pipeline(head, SHAPE["block_size"], comm, local="first")
+    return entry_pipeline(strategy + " overlap{local=first}", SHAPE["block_size"])
 
 
 @pytest.mark.parametrize("strategy", ["per_doc", "zigzag:ring", "ulysses:a2a", "span{grain=1}:tree"])

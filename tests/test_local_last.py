@@ -8,6 +8,7 @@ dense attention and survive their file."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from attnplan.backends.cost import get_profile, simulate
 from attnplan.errors import PlanError, PlanFileError, VerifyError
 from attnplan.ir.verify import verify
 from attnplan.ir.program import ATTN, ATTN_BWD, BWD, FWD, OP
+from attnplan.tools.compare import compare
 from attnplan.runtime.check import TOLERANCE, random_inputs, reference
 
 SHAPE = dict(heads=4, kv_heads=2, head_dim=16, block_size=128)
@@ -74,6 +76,49 @@ def test_spec_and_errors():
     assert compile_(None).meta["pipeline"].split(",")[-2] == "overlap"
     with pytest.raises(PlanError, match="overlap: local must be first, last or kept, got 'middle'"):
         compile_("middle")
+
+
+ENTRY_KW = dict(seqlens=LENS, devices=8, nodes=2, **SHAPE)
+
+
+@pytest.mark.parametrize("entry, pipeline, text", [
+    ("span:relay overlap{local=last}", "span,comm{mode=p2p,relay=node},overlap{local=last}", None),
+    ("span{grain=1}   overlap{local=first}", "span{grain=1},comm{mode=p2p,relay=node,reduce=node},overlap{local=first}",
+     "span{grain=1} overlap{local=first}"),
+    ("zigzag overlap{local=kept}", "zigzag,comm{mode=ring},overlap", "zigzag"),
+    (" dacp:direct\toverlap{ local = last }\n", "dacp,comm{mode=p2p,relay=none},overlap{local=last}",
+     "dacp:direct overlap{local=last}"),
+])
+def test_a_strategy_entry_names_its_order(entry, pipeline, text, tmp_path):
+    """``NAME overlap{local=...}`` (what auto records for a plan in the other order) is a strategy entry:
+    compile, compare and bench take it; it is its default pipeline with that order, and the plan records
+    the entry's canonical text (stripped, one space, no ``local=kept``), which its file keeps."""
+    named = attnplan.compile(strategy=entry, **ENTRY_KW)
+    piped = attnplan.compile(pipeline=f"tile{{block=128}},{pipeline},emit", **ENTRY_KW)
+    assert named.ir.program == piped.ir.program and named.meta["pipeline"] == piped.meta["pipeline"]
+    assert named.meta["strategy"] == (text or entry)
+    named.save(tmp_path / "x.plan")
+    back = attnplan.load(tmp_path / "x.plan")
+    assert back.meta["strategy"] == named.meta["strategy"] and back.ir.program == named.ir.program
+    rows, _ = compare([entry], **ENTRY_KW)
+    assert rows[0]["predicted_s"] == named.stats()["predicted_s"]
+    with pytest.raises(PlanError, match="compare takes strategy entries"):
+        compare([entry], pipeline=pipeline, **ENTRY_KW)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("span overlap{local=middle}", "local must be first, last or kept, got 'middle'"),
+    ("span overlap{run=0}", "only ' overlap{local=...}'"),
+    ("span:tree overlap{local=last} emit", "only ' overlap{local=...}'"),
+    ("span overlap", "only ' overlap{local=...}'"),
+    ("auto overlap{local=last}", "auto takes no options, variant or order"),
+    ("auto:span:tree overlap{local=last}", "(drop the 'auto:' prefix: 'span:tree overlap{local=last}' is what auto"),
+    ("span overlap{local=LAST}", "local must be first, last or kept, got 'LAST'"),
+    ("span" + " " * 20000 + "x", "strategy entry of 20,005 characters (at most 1000)"),
+])
+def test_a_bad_order_in_an_entry_is_refused(entry, message):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        attnplan.compile(strategy=entry, **ENTRY_KW)
 
 
 def test_the_plan_file_keeps_it(tmp_path):

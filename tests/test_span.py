@@ -227,7 +227,7 @@ def test_span_variants_are_strategy_entries():
     entries = strategy_entries()
     assert {"span", "span{grain=1}", "span{grain=2}", "span{grain=4}"} <= set(entries)
     assert all(strategy_name(e) in attnplan.strategies() for e in entries)
-    assert parse_entry("span{grain=2}:direct") == ("span{grain=2}", "mode=p2p,relay=none")
+    assert parse_entry("span{grain=2}:direct") == ("span{grain=2}", "mode=p2p,relay=none", "kept", "span{grain=2}:direct")
     kw = dict(seqlens=[3000, 900, 64], devices=8, nodes=2, heads=4, kv_heads=2, head_dim=16, block_size=256)
     named = attnplan.compile(strategy="span{grain=2}", **kw)
     piped = attnplan.compile(pipeline=default_pipeline("span{grain=2}", 256), **kw)

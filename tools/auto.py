@@ -150,7 +150,7 @@ from ..ir.program import B_DKV, B_DQ, B_KV, B_O, B_Q, BWD, FWD, buffer_bytes
 from ..ir.schedule import X_KV, X_O, X_Q, XDST, XHG, XSRC, XSTAGE, XTB
 from ..ir.verify import needed_transfers, verify
 from ..passes import REGISTRY, parse_pipeline, run_pipeline, strategy_entries, strategy_name
-from ..passes.comm import (COMM_VARIANTS, HOP_CROSS, HOP_GATHER, Overlap, default_reduce, default_relay,
+from ..passes.comm import (COMM_VARIANTS, HOP_CROSS, HOP_GATHER, Overlap, default_reduce, default_relay, split_order,
                            reduced_partials, relay_rows, ring_kv, tree_data_rows)
 from .auto_preview import SAMPLE_SEGMENTS, sample_docs, segment_bound
 from .auto_schedule import schedule_bound
@@ -538,7 +538,7 @@ def candidate_estimate(ir: PlanIR, key: str, prof) -> float:
     """The estimate auto gives candidate ``key`` (``name``, ``name:relay``,
     ``name:direct`` or ``name:tree``) from its placed or compiled IR (comm, overlap and
     emit change neither graph nor placement)."""
-    name, _, variant = key.partition(":")
+    name, _, variant = split_order(key)[0].partition(":")
     mode = REGISTRY[strategy_name(name)].default_comm
     relay = "none" if variant == "direct" else "tree" if variant == "tree" else None
     reduce = "none" if variant in ("direct", "relay") else None

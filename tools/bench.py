@@ -2,9 +2,10 @@
 several masks and device counts — a progress bar, a summary table, a JSON
 file of every row and PNG plots.
 
-Reference numbers computed outside attnplan (quoted from issue 3, measured
-on the same batches by whoever filed it) are printed beside the table so the
-strategies can be read against what is deployed today."""
+Reference numbers computed outside attnplan (on the same shipped batches,
+with the deployed systems' own code: zigzag CP, per-document CP, DCP's
+planner) are printed beside the table so the strategies can be read against
+what is deployed today."""
 
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def format_summary(summary: list[dict]) -> str:
                      f"{s['imbalance_median']:>7.3f} {s['imbalance_worst']:>7.3f} {s['within_1.05']:>6.0%} "
                      f"{rel:>7} {s['pred_over_lb_median']:>7.2f} {s['plan_s_median']:>7.3f} {s['plan_s_max']:>8.3f}")
     lines.append("")
-    lines.append("reference numbers (computed independently of attnplan, from issue 3):")
+    lines.append("reference numbers (computed outside attnplan on the shipped batches, for the 128K batches):")
     lines += [f"  {k}: {v}" for k, v in REFERENCES]
     return "\n".join(lines)
 

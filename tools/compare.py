@@ -13,7 +13,6 @@ comparison."""
 from __future__ import annotations
 
 from .compiler import compile as compile_plan
-from ..passes.default import default_pipeline
 from ..errors import AttnplanError, PlanError
 from ..passes.comm import COMM_VARIANTS, parse_entry
 
@@ -32,12 +31,13 @@ def row_of(name: str, plan) -> dict:
 def compare(strategies, progress=None, **compile_kwargs) -> tuple[list[dict], dict]:
     """Compile ``strategies`` (entries of :func:`parse_entry`) on one batch.
     Returns (rows, plans by entry)."""
+    if "pipeline" in compile_kwargs:
+        raise PlanError("compare takes strategy entries; a pipeline names one plan (compile it)")
     rows, plans = [], {}
     for name in strategies:
-        strategy, comm = parse_entry(name)
-        pipeline = None if comm is None else default_pipeline(strategy, compile_kwargs.get("block_size", 2048), comm)
+        parse_entry(name)  # a bad entry is the caller's error, not a strategy's row
         try:
-            plan = compile_plan(strategy=strategy, pipeline=pipeline, **compile_kwargs)
+            plan = compile_plan(strategy=name, **compile_kwargs)
         except AttnplanError as e:
             if not isinstance(e, PlanError):
                 raise  # bad batch or mask: the same for every strategy

@@ -180,7 +180,7 @@ def check_options(*, devices=1, nodes=1, heads=8, kv_heads=None, head_dim=64, bl
 
 def _check_flags(strategy, pipeline, verify, instruments, max_compute_blocks) -> tuple:
     """(strategy, pipeline, verify, instruments, max_compute_blocks) of :func:`compile`, checked."""
-    strategy = _text("strategy", strategy)
+    strategy = _text("strategy", strategy).strip()
     pipeline = None if pipeline is None else _text("pipeline", pipeline)
     if not isinstance(verify, (bool, np.bool_)):
         raise PlanError(f"verify must be True or False, got {_show(verify)}")
@@ -214,7 +214,9 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
     ``pipeline`` overrides ``strategy``/``block_size`` with a pass pipeline
     string (its ``tile`` pass's block is the plan's); ``strategy="NAME:VARIANT"`` is the strategy's default pipeline
     under another comm step (``per_doc:direct``, ``zigzag:allgather``; the
-    variants of ``attnplan.passes.comm.COMM_VARIANTS``). ``strategy="auto"`` places every strategy, then compiles and
+    variants of ``attnplan.passes.comm.COMM_VARIANTS``); any entry may end in `` overlap{local=first|last|kept}``
+    (the backward's order: ``"span:tree overlap{local=last}"``, the name auto records for a plan it chose in that
+    order, compiles that plan again). ``strategy="auto"`` places every strategy, then compiles and
     simulates them in order of a lower bound of their time until the next
     bound reaches the best predicted time, and keeps the plan with the lowest
     predicted time (ties: the lower bound, then the name) (``plan.meta["candidates"]`` has each simulated one's,
@@ -248,8 +250,8 @@ def compile(seqlens=None, mask="causal", devices: int = 1, nodes: int = 1, heads
 
     named = pipeline is None
     if named:
-        name, comm = parse_entry(strategy)  # NAME:VARIANT: the default pipeline under another comm step
-        pipeline = default_pipeline(name, opts["block_size"], comm)
+        entry = parse_entry(strategy)  # NAME{...}:VARIANT overlap{local=...}: recorded in its canonical text
+        pipeline, strategy = default_pipeline(entry.strategy, opts["block_size"], entry.comm, entry.local), entry.text
     passes = parse_pipeline(pipeline)
     pieces, ptr, classes = lower_heads(prog, lens.tolist(), segments, q_lens, opts["heads"])
     problem = Problem(seqlens=lens, heads=opts["heads"], kv_heads=opts["kv_heads"], head_dim=opts["head_dim"],
