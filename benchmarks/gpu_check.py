@@ -12,7 +12,8 @@ Prints, and writes to DIR/gpu_check.md and DIR/gpu_check.json:
    × causal and three other masks × bf16 and fp32, forward and backward,
    against the float64 dense reference (``plan run --check``'s tolerances),
    and every strategy at the most devices with partial outputs sent in bf16
-   and the forward's KV kept for the backward (``partials_dtype``, ``keep_kv``);
+   and the forward's KV kept for the backward (``partials_dtype``, ``keep_kv``),
+   and every strategy at the most devices in float16;
 3. kernel efficiency: a 128K-token long-tailed batch (lmsys-128k-0, causal,
    32 q / 8 kv heads, head_dim 128, bf16) on one device, attnplan's runtime
    against one flash-attn varlen call on the same documents, forward and
@@ -107,7 +108,7 @@ def section(name: str):
 @section("1. kernels")
 def check_kernels(dev: str) -> None:
     say(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}")
-    for dt in (torch.bfloat16, torch.float32):
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
         say(f"- {str(dt).replace('torch.', '')} on {dev}: kernel `{varlen.kernel_for(torch.empty(1, 1, 64, dtype=dt, device=dev))}`")
     if dev != "cuda":
         return
@@ -176,8 +177,20 @@ def check_equality(dev: str, quick: bool, only: str = "") -> None:
                          **r))
         say(f"| {strat}, bf16 partials, KV kept | {n} | `causal` | bfloat16 | {r['out']:.1e} | {r['dq']:.1e} | "
             f"{r['dk']:.1e} | {r['dv']:.1e} | {'ok' if r['ok'] else 'FAIL'} |")
+    for strat in strategies:  # float16 inputs (flash-attn's other half-precision path), causal, the most devices
+        plan = attnplan.compile(SMALL, devices=n, heads=8, kv_heads=2, head_dim=64, strategy=strat, block_size=256,
+                                dtype="float16")
+        inputs = random_inputs(plan, "float16", 0)
+        if ("causal", "float16") not in refs:
+            q, k, v, dout = inputs
+            refs[("causal", "float16")] = reference(plan.problem, q, k, v, dout, 1 / math.sqrt(64))
+        r = _errors(_run(plan, inputs, dev), refs[("causal", "float16")], "float16")
+        bad += not r["ok"]
+        rows.append(dict(strategy=strat, devices=n, mask="causal", dtype="float16", **r))
+        say(f"| {strat} | {n} | `causal` | float16 | {r['out']:.1e} | {r['dq']:.1e} | {r['dk']:.1e} | "
+            f"{r['dv']:.1e} | {'ok' if r['ok'] else 'FAIL'} |")
     worst = {dt: {t: max(r[t] for r in rows if r["dtype"] == dt) for t in ("out", "dq", "dk", "dv")}
-             for dt in ("bfloat16", "float32")}
+             for dt in ("bfloat16", "float32", "float16")}
     say(f"\n{len(rows)} cases, {bad} over tolerance (rows above: every failure, and the {devices[-1]}-device "
         f"case of each); worst errors: {json.dumps({d: {t: f'{e:.1e}' for t, e in w.items()} for d, w in worst.items()})}")
     say(f"tolerances: {json.dumps(TOLERANCE)}; launches per kernel: {dict(varlen.COUNTS)}")
