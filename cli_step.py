@@ -117,7 +117,8 @@ def add_step_parser(sub) -> None:
     bn.add_argument("--pp", type=_int_in(1, 64), default=1, help="pipeline stages (each 4 nodes x 8 devices)")
     bn.add_argument("--vp", type=_int_in(1, 64), default=1, help="model chunks per stage (interleaved 1F1B)")
     bn.add_argument("--out", default="out/step_bench", help="folder for step_bench.json, summary.txt and PNG "
-                    "plots (created if missing; an existing file is an error)")
+                    "plots (created if missing; a path that is a file is an error; an earlier run's files are "
+                    "replaced)")
     bn.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal)")
     bn.add_argument("--json", action="store_true", help="print the rows and summary as JSON")
 

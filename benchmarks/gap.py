@@ -2,7 +2,7 @@
 
 For every batch (default: the fourteen 128K batches of ``batches.jsonl``) at
 ``--devices`` (default 32, 8 a node), causal mask, 8 heads / 2 kv heads /
-head dim 128, block 2048, h100 profile, every strategy of ``--strategies``
+head dim 128, block 2048, the --profile (default h100), every strategy of ``--strategies``
 (default: the suite list of ``docs/results.md``, ``$S,$T``) is compiled once
 (``--partials-dtype`` and ``--keep-kv`` as ``plan bench`` takes them). Then:
 
@@ -34,7 +34,8 @@ head dim 128, block 2048, h100 profile, every strategy of ``--strategies``
    imperfect overlap cost it.
 
     .venv/bin/python benchmarks/gap.py [--devices 32] [--names a,b] [--strategies S]
-        [--partials-dtype bfloat16] [--keep-kv] [--local first|last|kept] [--grid] [--json out/gap.json]
+        [--partials-dtype bfloat16] [--keep-kv] [--local first|last|kept] [--grid] [--profile h100|FILE.json]
+        [--json out/gap.json]
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def knockouts(base, fair: bool = False) -> dict:
     """The profile variants of item 2, by label."""
     r = dataclasses.replace
     return {
-        "h100": base,
+        base.name: base,
         "no latency inside a node": r(base, name="gap", intra_alpha=0.0),
         "no latency across nodes": r(base, name="gap", inter_alpha=0.0),
         "no message latency": r(base, name="gap", intra_alpha=0.0, inter_alpha=0.0),
@@ -145,6 +146,8 @@ def main() -> None:
     ap.add_argument("--local", choices=("first", "last", "kept"),
                     help="the overlap step's local option for every strategy (default: each default pipeline's)")
     ap.add_argument("--grid", action="store_true", help="also search span's grain x cross per batch (item 3)")
+    ap.add_argument("--profile", default="h100", help="the base cost profile (a name, or a FILE.json from plan "
+                    "calibrate or benchmarks/link_model.py); the other rows change one of its terms")
     ap.add_argument("--fair", action="store_true", help="also simulate with links='fair' (minutes)")
     ap.add_argument("--json", help="write every number here")
     a = ap.parse_args()
@@ -153,7 +156,7 @@ def main() -> None:
     by_name = {r["name"]: r for r in records}
     options = {"partials_dtype": a.partials_dtype, "keep_kv": a.keep_kv}
     strategies = _split(a.strategies)
-    base = get_profile("h100")
+    base = get_profile(a.profile)
     profiles = knockouts(base, a.fair)
     best_terms, ratios, grid = {}, {label: [] for label in profiles}, []
     floors: dict[str, list[tuple[float, float]]] = {}  # strategy -> (predicted, placement floor) over LB, per batch
@@ -168,10 +171,10 @@ def main() -> None:
         for label, by_s in sims.items():
             ratios[label].append(min(v["predicted_s"] for v in by_s.values()) / lb)
         for s, p in plans.items():
-            floors.setdefault(s, []).append((sims["h100"][s]["predicted_s"] / lb, placement_floor(p.ir, base)["floor_s"] / lb))
-        win = min(sims["h100"], key=lambda s: (sims["h100"][s]["predicted_s"], s))
-        t = last_device_terms(plans[win].ir, base, sims["h100"][win])
-        best_terms[name] = {"strategy": win, "pred_over_lb": sims["h100"][win]["predicted_s"] / lb, **t}
+            floors.setdefault(s, []).append((sims[base.name][s]["predicted_s"] / lb, placement_floor(p.ir, base)["floor_s"] / lb))
+        win = min(sims[base.name], key=lambda s: (sims[base.name][s]["predicted_s"], s))
+        t = last_device_terms(plans[win].ir, base, sims[base.name][win])
+        best_terms[name] = {"strategy": win, "pred_over_lb": sims[base.name][win]["predicted_s"] / lb, **t}
         cells = [f"{t[p]['extra']:.2f} {t[p]['launch']:.2f} {t[p]['merge']:.2f} {t[p]['wait']:.2f} ({t[p]['runs']})"
                  for p in ("fwd", "bwd")]
         print(f"| {name} | {win} | {best_terms[name]['pred_over_lb']:.2f} | {cells[0]} | {cells[1]} |", flush=True)
@@ -183,7 +186,7 @@ def main() -> None:
     for label, v in ratios.items():
         print(f"| {label} | {summary(v)} | {sum(x <= 1.5 for x in v)} of {len(v)} |")
     if grid:
-        print(f"| h100, span's grain x cross searched per batch | {summary(grid)} | "
+        print(f"| {base.name}, span's grain x cross searched per batch | {summary(grid)} | "
               f"{sum(x <= 1.5 for x in grid)} of {len(grid)} |")
     print("\n| strategy | predicted / LB, median (worst) | placement floor / LB, median (worst) | "
           "predicted / floor, median |\n|---|---|---|---|")
