@@ -88,9 +88,10 @@ def fan_in(rank: int, peers: list[int], nbytes: int, repeats: int, sync) -> floa
     for i in range(repeats + 1):
         sync()
         t0 = time.perf_counter()
-        if rank == 0:
-            works = [dist.isend(go, p) for p in peers] + [dist.irecv(b, p) for b, p in zip(bufs, peers)]
-            for w in works:
+        if rank == 0:  # one group of sends and receives (NCCL's grouped point-to-point, as a stage posts them)
+            ops = [dist.P2POp(dist.isend, go, p) for p in peers] + \
+                [dist.P2POp(dist.irecv, b, p) for b, p in zip(bufs, peers)]
+            for w in dist.batch_isend_irecv(ops):
                 w.wait()
         elif rank in peers:
             dist.irecv(go, 0).wait()
