@@ -11,15 +11,17 @@ and writes a cost profile for ``plan bench --profile`` / ``plan compare
 
 1. **one link**: one-way seconds per message size between rank 0 and a rank
    of its node, and a rank of another node where the world spans nodes (the
-   smallest rank there, ``--per-node`` ranks a node), each the fastest
-   sample of timed round trips; fitted ``alpha + bytes / bandwidth``
+   smallest rank there, ``--per-node`` ranks a node), each half the fastest
+   sample of back-to-back round trips (a sample's clock stops on rank 0
+   once its device is idle, before the barrier that ends it); fitted ``alpha + bytes / bandwidth``
    (:func:`attnplan.runtime.calibrate.fit_affine`): the profile's
    ``intra_alpha``/``intra_bw`` and ``inter_alpha``/``inter_bw``;
 2. **one device, several peers** (which link model): rank 0 sends a 1-byte
    message to each of k peers of its node at once, each answers with S bytes
    as soon as it has it, rank 0 waits for all k (every send and receive
    posted together, as the runtime posts a stage's transfers); k = 1 ..
-   node size - 1, S of ``--fan-bytes``. The simulator's two models predict,
+   node size - 1, S of ``--fan-bytes`` (64 KiB: latency-bound; 8 MiB:
+   bandwidth-bound). The simulator's two models predict,
    with the link's fitted ``alpha`` and bandwidth: ``queue`` (a device's
    sends, and its receives, one message at a time) ``alpha + k * (alpha +
    S / bw)``; ``fair`` (latencies overlap, the bytes share the port) ``2 *
@@ -53,53 +55,70 @@ SIZES = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
 QUICK_SIZES = (4096, 65536, 1 << 20)
 
 
-def one_way(rank: int, peer: int, nbytes: int, repeats: int, sync) -> float | None:
-    """Rank 0 and ``peer``: the fastest of ``repeats`` round trips of ``nbytes``, halved (rank 0's clock);
-    None on every other rank (which still joins every ``sync``)."""
-    import torch
+def _p2p(ops) -> None:
+    """``ops`` (``(isend or irecv, tensor, peer)``) as one group, waited for: on NCCL every rank's point-to-point
+    calls then share the group's communicator (plain isend/irecv open a two-rank one per pair, which a batch on
+    the other side never matches), as the runtime posts them."""
     import torch.distributed as dist
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=_device())
-    best = math.inf
-    for i in range(repeats + 1):  # the first is a warm-up (connection set-up)
-        sync()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.isend(buf, peer).wait()
-            dist.irecv(buf, peer).wait()
-        elif rank == peer:
-            dist.irecv(buf, 0).wait()
-            dist.isend(buf, 0).wait()
-        sync()
-        if i:
-            best = min(best, (time.perf_counter() - t0) / 2)
-    return best if rank == 0 else None
+    for w in dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]):
+        w.wait()
 
 
-def fan_in(rank: int, peers: list[int], nbytes: int, repeats: int, sync) -> float | None:
-    """Rank 0 sends one byte to every rank of ``peers`` at once, each answers ``nbytes``; the fastest of
-    ``repeats`` (rank 0's clock, from its first send to its last receive); None on the other ranks (which
-    still join every ``sync``)."""
-    import torch
-    import torch.distributed as dist
-    dev = _device()
-    go = torch.zeros(1, dtype=torch.uint8, device=dev)
+def _timed(rank: int, active: bool, body, repeats: int, inner: int, sync, local_sync) -> float | None:
+    """The fastest of ``repeats`` samples of ``inner`` back-to-back ``body()`` calls, per call, on rank 0's
+    clock: read after its own device is idle and before the barrier that ends the sample (a barrier's
+    latency is not the links'); the first sample is a warm-up (communicator and connection set-up).
+    Every rank joins every barrier; those not ``active`` only do that. None off rank 0."""
     best = math.inf
-    bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=dev) for _ in peers] if rank == 0 else []
     for i in range(repeats + 1):
         sync()
         t0 = time.perf_counter()
-        if rank == 0:  # one group of sends and receives (NCCL's grouped point-to-point, as a stage posts them)
-            ops = [dist.P2POp(dist.isend, go, p) for p in peers] + \
-                [dist.P2POp(dist.irecv, b, p) for b, p in zip(bufs, peers)]
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-        elif rank in peers:
-            dist.irecv(go, 0).wait()
-            dist.isend(torch.zeros(nbytes, dtype=torch.uint8, device=dev), 0).wait()
+        if active:
+            for _ in range(inner):
+                body()
+            local_sync()
+        t = (time.perf_counter() - t0) / inner
         sync()
         if i:
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, t)
     return best if rank == 0 else None
+
+
+def one_way(rank: int, peer: int, nbytes: int, repeats: int, sync, local_sync) -> float | None:
+    """Rank 0 and ``peer``: one-way seconds of ``nbytes`` (half the fastest round trip; module docstring)."""
+    import torch
+    from torch.distributed import irecv, isend
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=_device())
+    inner = 20 if nbytes <= 1 << 20 else 4
+
+    def body():
+        if rank == 0:
+            _p2p([(isend, buf, peer)])
+            _p2p([(irecv, buf, peer)])
+        else:
+            _p2p([(irecv, buf, 0)])
+            _p2p([(isend, buf, 0)])
+    t = _timed(rank, rank in (0, peer), body, repeats, inner, sync, local_sync)
+    return None if t is None else t / 2
+
+
+def fan_in(rank: int, peers: list[int], nbytes: int, repeats: int, sync, local_sync) -> float | None:
+    """Rank 0 sends one byte to every rank of ``peers`` at once, each answers ``nbytes`` once it has it;
+    seconds from rank 0's first send to its last receive."""
+    import torch
+    from torch.distributed import irecv, isend
+    dev = _device()
+    go = torch.zeros(1, dtype=torch.uint8, device=dev)
+    bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=dev) for _ in peers] if rank == 0 else \
+        [torch.zeros(nbytes, dtype=torch.uint8, device=dev)]
+
+    def body():
+        if rank == 0:  # one group of sends and receives, as a stage posts them
+            _p2p([(isend, go, p) for p in peers] + [(irecv, b, p) for b, p in zip(bufs, peers)])
+        else:
+            _p2p([(irecv, go, 0)])
+            _p2p([(isend, bufs[0], 0)])
+    return _timed(rank, rank == 0 or rank in peers, body, repeats, 4, sync, local_sync)
 
 
 def models(alpha: float, bw: float, k: int, nbytes: int) -> dict:
@@ -121,48 +140,53 @@ def _device():
 
 
 def run_rank(rank: int, world: int, per_node: int, a) -> None:
-    """Every rank: the measurements; rank 0 fits, prints and writes the profile."""
+    """Every rank: the measurements (every rank checks the arguments first, so that none waits in a barrier
+    for a rank that stopped); then rank 0 alone fits, prints and writes the profile."""
     import torch
     import torch.distributed as dist
 
     from attnplan.backends.cost import get_profile
-    from attnplan.runtime.calibrate import fit_affine
+    base = get_profile(a.base)  # a bad --base fails on every rank, before any communication
+    if not 1 <= per_node <= world:
+        raise SystemExit(f"link_model: {per_node} ranks a node does not fit {world} ranks")
     cuda = a.device == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", rank % per_node))
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % per_node)))
+        torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
 
-    def sync():
+    def local_sync():
         if cuda:
             torch.cuda.synchronize()
-        dist.barrier()
+
+    def sync():
+        local_sync()
+        dist.barrier(device_ids=[local]) if cuda else dist.barrier()
 
     sizes = QUICK_SIZES if a.quick else SIZES
     links = {"intra": 1} if per_node >= 2 else {}
     if world > per_node:
-        links["inter"] = per_node
-    fits, points = {}, {}
-    for kind, peer in links.items():
-        t = [one_way(rank, peer, n, a.repeats, sync) for n in sizes]
-        if rank == 0:
-            f = fit_affine(sizes, t, f"{kind}-node transfers")
-            fits[kind] = {"alpha_s": f.intercept, "bw": 1 / f.slope, "residuals": list(f.residuals)}
-            points[kind] = dict(zip(sizes, t))
-    fan = []
-    for k in range(1, per_node if a.fan_max is None else min(per_node, a.fan_max + 1)):
-        t = fan_in(rank, list(range(1, k + 1)), a.fan_bytes, a.repeats, sync)
-        if rank == 0:
-            fan.append({"k": k, "measured_s": t, **models(fits["intra"]["alpha_s"], fits["intra"]["bw"], k,
-                                                           a.fan_bytes)})
-    if rank == 0:
-        report(a, world, per_node, sizes, points, fits, fan, get_profile(a.base))
-    dist.barrier()
+        links["inter"] = per_node  # rank 0's rail peer on the next node (torchrun numbers a node's ranks together)
+    points = {kind: [one_way(rank, peer, n, a.repeats, sync, local_sync) for n in sizes] for kind, peer in links.items()}
+    ks = range(1, per_node if a.fan_max is None else min(per_node, a.fan_max + 1))
+    fan_t = {(n, k): fan_in(rank, list(range(1, k + 1)), n, a.repeats, sync, local_sync)
+             for n in a.fan_bytes for k in ks}
     dist.destroy_process_group()
+    if rank == 0:  # after the last collective: nothing below can leave another rank waiting
+        report(a, world, per_node, sizes, points, fan_t, base)
 
 
-def report(a, world: int, per_node: int, sizes, points: dict, fits: dict, fan: list, base) -> None:
-    """Rank 0: the tables, and the profile written to ``a.out``."""
+def report(a, world: int, per_node: int, sizes, points: dict, fan_t: dict, base) -> None:
+    """Rank 0: the fits, the tables, and the profile written to ``a.out``."""
+    from attnplan.runtime.calibrate import fit_affine
+    fits = {}
+    for kind, t in points.items():
+        f = fit_affine(sizes, t, f"{kind}-node transfers")
+        fits[kind] = {"alpha_s": f.intercept, "bw": 1 / f.slope, "residuals": list(f.residuals)}
+    points = {kind: dict(zip(sizes, t)) for kind, t in points.items()}
+    fan = [{"bytes": n, "k": k, "measured_s": t, **models(fits["intra"]["alpha_s"], fits["intra"]["bw"], k, n)}
+           for (n, k), t in fan_t.items()] if "intra" in fits else []
     print(f"{world} ranks, {per_node} a node, {a.device}; one-way seconds, fastest of {a.repeats}")
     print("| link | " + " | ".join(f"{n:,} B" for n in sizes) + " | alpha | bandwidth |")
     print("|---|" + "---|" * (len(sizes) + 2))
@@ -171,12 +195,14 @@ def report(a, world: int, per_node: int, sizes, points: dict, fits: dict, fan: l
               + f" | {f['alpha_s'] * 1e6:.1f} µs | {f['bw'] / 1e9:.2f} GB/s |")
     chosen, err = choose_links(fan, base.links) if fan else (base.links, {})
     if fan:
-        print(f"\nrank 0 and k peers of its node, {a.fan_bytes:,} B each (1 B out, then the answers in):")
-        print("| k | measured | queue model | fair model |\n|---|---|---|---|")
+        print("\nrank 0 and k peers of its node at once (1 B out to each, then each one's answer in):")
+        print("| answer | k | measured | queue model | fair model |\n|---|---|---|---|---|")
         for r in fan:
-            print(f"| {r['k']} | {r['measured_s'] * 1e6:.1f} µs | {r['queue'] * 1e6:.1f} µs | "
+            print(f"| {r['bytes']:,} B | {r['k']} | {r['measured_s'] * 1e6:.1f} µs | {r['queue'] * 1e6:.1f} µs | "
                   f"{r['fair'] * 1e6:.1f} µs |")
-        print(f"mean relative error: queue {err['queue']:.2f}, fair {err['fair']:.2f} -> links={chosen!r}")
+        print(f"mean relative error: queue {err['queue']:.2f}, fair {err['fair']:.2f} -> links={chosen!r} (measured "
+              "inside a node; the profile applies it across nodes too. Where one pair of devices does not fill a "
+              "port, both models over-predict the large answers: the simulator has one bandwidth a link)")
     intra = fits.get("intra", {"alpha_s": base.intra_alpha, "bw": base.intra_bw})
     inter = fits.get("inter", intra)  # one node: nothing crosses nodes; the inter-node link is the intra one
     prof = replace(base, name=f"{base.name}-links", intra_alpha=intra["alpha_s"], intra_bw=intra["bw"],
@@ -184,7 +210,7 @@ def report(a, world: int, per_node: int, sizes, points: dict, fits: dict, fan: l
     data = dict(asdict(prof), fit={"base": base.name, "device": a.device, "ranks": world, "per_node": per_node,
                                    "sizes": list(sizes), "one_way_s": {k: [points[k][n] for n in sizes]
                                                                        for k in points},
-                                   "links": fits, "fan_in": fan, "fan_bytes": a.fan_bytes, "model_error": err,
+                                   "links": fits, "fan_in": fan, "fan_bytes": list(a.fan_bytes), "model_error": err,
                                    "inter_measured": "inter" in fits})
     with open(a.out, "w") as fh:
         json.dump(data, fh, indent=1)
@@ -205,6 +231,16 @@ def _spawned(rank: int, a) -> None:
     run_rank(rank, a.procs, a.per_node or a.procs, a)
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated byte counts, got {text!r}") from None
+    if not out or any(not 1 <= n <= 1 << 30 for n in out):
+        raise argparse.ArgumentTypeError(f"byte counts in 1..2^30, got {text!r}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the profile JSON to write (rank 0)")
@@ -214,7 +250,9 @@ def main(argv=None) -> int:
                     help="ranks a node (default: LOCAL_WORLD_SIZE under torchrun, else every process)")
     ap.add_argument("--base", default="h100", help="the profile whose other fields the result keeps")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--fan-bytes", type=int, default=65536, help="bytes each peer answers in the fan-in test")
+    ap.add_argument("--fan-bytes", type=_sizes, default=(65536, 8 << 20),
+                    help="comma-separated bytes each peer answers in the fan-in test (default 65536,8388608: "
+                         "latency-bound, then bandwidth-bound)")
     ap.add_argument("--fan-max", type=int, default=None, help="most peers in the fan-in test (default node - 1)")
     ap.add_argument("--quick", action="store_true", help="fewer message sizes (the CPU test)")
     a = ap.parse_args(argv)

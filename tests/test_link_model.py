@@ -63,7 +63,9 @@ def test_it_measures_and_writes_a_profile(tmp_path, procs, per_node):
     fit = data["fit"]
     assert prof.name == "h100-links" and prof.links in ("queue", "fair")
     assert prof.intra_alpha == pytest.approx(fit["links"]["intra"]["alpha_s"])
-    assert len(fit["fan_in"]) == per_node - 1 and all(row["measured_s"] > 0 for row in fit["fan_in"])
+    assert sorted((row["bytes"], row["k"]) for row in fit["fan_in"]) == \
+        [(n, k) for n in (65536, 8 << 20) for k in range(1, per_node)]  # both answer sizes, 1 .. node - 1 peers
+    assert all(row["measured_s"] > 0 for row in fit["fan_in"])
     assert fit["inter_measured"] == (procs > per_node)
     if procs == per_node:  # one node: nothing crosses nodes, the inter-node link is the intra-node one
         assert (prof.inter_alpha, prof.inter_bw) == (prof.intra_alpha, prof.intra_bw)
