@@ -8,7 +8,8 @@ import dataclasses
 import math
 
 import numpy as np
-from hypothesis import assume, given
+import pytest
+from hypothesis import given
 from hypothesis import strategies as st
 
 import attnplan
@@ -67,14 +68,12 @@ def test_tree_delivers_every_needed_block_once_through_holders(case):
 
 @given(needs())
 def test_in_a_stage_a_device_sends_to_one_partner_per_entry_stage(case):
-    """Recursive doubling on nodes of a power of two devices: per stage, a
-    device's in-node sends go to at most one partner for the blocks that
-    entered the node in each stage (homes in stage 0, relays in stage 1),
-    and it receives in-node messages from at most log2(devices per node)
-    partners per entry stage (other node sizes fold some hops: still
-    correct, by the test above)."""
+    """Recursive doubling (a power of two members) or Bruck (any other
+    count): per stage, a device's in-node sends go to at most one partner
+    for the blocks that entered the node in each stage (homes in stage 0,
+    relays in stage 1), and it receives in-node messages from at most
+    ceil(log2(devices per node)) partners per entry stage."""
     need, per = case
-    assume(per & (per - 1) == 0)
     rows = tree_rows(relay_rows(X_KV, need, per)[0], per)
     inside = rows[rows[:, XSRC] // per == rows[:, XDST] // per]
     partners: dict = {}
@@ -158,6 +157,24 @@ def test_hops_carry_blocks_of_one_kind_and_block_columns_unchanged():
     # from position 0 to 7 members: bit 0 in stage 0, bit 1 in stage 1, bit 2 in stage 2
     assert sorted(rows[:, [XSRC, XDST, XSTAGE]].tolist()) == [[0, 1, 0], [0, 2, 1], [0, 4, 2], [1, 3, 1],
                                                                [1, 5, 2], [2, 6, 2], [3, 7, 2]]
+
+
+@pytest.mark.parametrize("members", [3, 5, 6, 7])
+def test_members_no_power_of_two_gather_by_bruck(members):
+    """Every member's block needed by every other member, on a node of 8 with
+    ``members`` taking part: ceil(log2(members)) stages; in stage b member i
+    sends to member i - 2^b and receives from member i + 2^b (mod members),
+    one message each, every member in every stage (recursive doubling over a
+    count that is no power of two left some without a partner)."""
+    need = np.array([[tb, 0, tb, d] for tb in range(members) for d in range(members) if d != tb], np.int64)
+    rows = tree_rows(relay_rows(X_KV, need, 8)[0], 8)
+    holds_before(rows, {tb: tb for tb in range(members)})
+    stages = math.ceil(math.log2(members))
+    assert sorted({s for s in rows[:, XSTAGE].tolist()}) == list(range(stages))
+    pairs = {(s, d, st_) for _, _, _, s, d, st_ in rows.tolist()}
+    assert pairs == {(i, (i - (1 << b)) % members, b) for i in range(members) for b in range(stages)}
+    got = {(tb, d) for _, tb, _, _, d, _ in rows.tolist()}
+    assert {(tb, d) for tb, _, _, d in need.tolist()} <= got
 
 
 def test_a_tree_plan_round_trips_through_its_file_and_runs_equal_to_dense():
