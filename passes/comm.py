@@ -46,8 +46,9 @@ relay holds the block before it forwards it.
 
 ``relay=tree`` (with ``p2p``; auto's ``name:tree``): the node relays, then
 inside each node every Q and KV block — a home's own, a relay's forwards —
-spreads by recursive doubling over the node's devices that take part, or
-by Bruck's algorithm where they are no power of two (:func:`tree_rows`): in
+spreads by recursive doubling over the node's devices that exchange it (a
+group per connected set of them: a span), or by Bruck's algorithm where they
+are no power of two (:func:`tree_rows`): in
 stage ``t + b`` a device sends what it holds to the member whose position
 differs in bit ``b`` (or is ``2^b`` lower, cyclically), one message per
 partner. Where
@@ -287,9 +288,12 @@ def tree_rows(rows: np.ndarray, per_node: int) -> np.ndarray:
     messages routes them (Thakur, Rabenseifner & Gropp 2005, §4.1):
     recursive doubling, the hypercube, where the members are a power of two,
     and Bruck's algorithm (Bruck et al. 1997) otherwise — restricted to who
-    needs what. Per node and entry stage ``t`` (0 for a block's home, 1 for a
-    node relay's forwards), the members are the devices that send or receive
-    such rows there, by device; a block entering at the member of position
+    needs what. Per entry stage ``t`` (0 for a block's home, 1 for a node
+    relay's forwards), the members of a group are devices of one node that
+    exchange such rows with each other (a connected component of the rows'
+    devices: where a node holds several documents' spans, each span is a
+    group, and no block passes through another document's devices), by
+    device; a block entering at the member of position
     ``e`` reaches the one at ``p`` through the hops of the set bits of ``d``,
     lowest first, bit ``b``'s hop in stage ``t + b``: ``d = e xor p``, a hop
     flipping bit ``b`` (doubling), or ``d = (e - p) mod members``, a hop to
@@ -311,10 +315,15 @@ def tree_rows(rows: np.ndarray, per_node: int) -> np.ndarray:
     r = rows[inside]
     if not len(r):
         return rows
-    # member groups: (entry stage, node); each group's members by device, their positions
+    from scipy.sparse import coo_matrix  # scipy on first use: importing the passes stays quick
+    from scipy.sparse.csgraph import connected_components
+
+    # member groups: per entry stage, the devices that exchange rows (connected components, inside a node)
     n = (int(r[:, 3:5].max()) // per_node + 1) * per_node
-    nodes = n // per_node
-    keys, group = np.unique(r[:, 5] * nodes + r[:, 3] // per_node, return_inverse=True)
+    a, b = r[:, 5] * n + r[:, 3], r[:, 5] * n + r[:, 4]
+    size_all = (int(r[:, 5].max()) + 1) * n
+    _, comp = connected_components(coo_matrix((np.ones(len(r)), (a, b)), shape=(size_all, size_all)), directed=False)
+    keys, group = np.unique(comp[a], return_inverse=True)
     group = group.ravel()
     members = np.unique(np.r_[group, group] * n + np.r_[r[:, 3], r[:, 4]])
     start = np.searchsorted(members, np.arange(len(keys)) * n)

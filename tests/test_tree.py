@@ -177,6 +177,20 @@ def test_members_no_power_of_two_gather_by_bruck(members):
     assert {(tb, d) for tb, _, _, d in need.tolist()} <= got
 
 
+def test_two_spans_in_one_node_are_two_groups():
+    """Devices 0-2 exchange one document's blocks, 4-6 another's: each set is a
+    group of its own (Bruck over 3), and no block passes through the other
+    document's devices."""
+    a, b = [0, 1, 2], [4, 5, 6]
+    need = np.array([[tb, 0, h, d] for tb, (h, grp) in enumerate([(h, a) for h in a] + [(h, b) for h in b])
+                     for d in grp if d != h], np.int64)
+    rows = tree_rows(relay_rows(X_KV, need, 8)[0], 8)
+    holds_before(rows, {tb: h for tb, _, h, _ in need.tolist()})
+    for _, tb, _, s, d, _ in rows.tolist():
+        assert (s in a) == (d in a) == (tb < 3), (tb, s, d)
+    assert set(rows[:, XSTAGE].tolist()) == {0, 1}  # ceil(log2 3) stages each
+
+
 def test_a_tree_plan_round_trips_through_its_file_and_runs_equal_to_dense():
     """A tree plan (4 stages of hops across two nodes) saved and loaded is the
     same plan, byte for byte, and executes equal to dense masked attention."""
