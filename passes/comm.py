@@ -340,7 +340,7 @@ def tree_rows(rows: np.ndarray, per_node: int) -> np.ndarray:
         at = np.where(on, np.where(bruck, (at - (1 << bit)) % size, at ^ (1 << bit)), at)
         dev = members[first[on] + [holder[on], at[on]]] % n
         hops.append(np.column_stack([r[on, :3], dev.T, r[on, 5] + bit]))
-        holder = at.copy()
+        holder = at  # np.where made a new array: no alias
     out = np.concatenate([rows[~inside], _distinct(np.concatenate(hops))])  # routes share their first hops
     return out[np.lexsort((out[:, 4], out[:, 3], out[:, 5]))].astype(np.int64)
 
